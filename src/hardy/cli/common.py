@@ -1,0 +1,36 @@
+"""Arguments shared by several subcommands."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hardy.errors import HardyError
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, like every other user error
+        self.exit(EXIT_USAGE, f"hardy: error: {message}\n")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_model_args(p, threads: bool = True) -> None:
+    p.add_argument("--model", required=True,
+                   help="smollm2-135m, a .gguf file, or a model directory (hardy export / Hugging Face layout)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="compute dtype (default fp32)")
+    if threads:
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def load_from_args(args, need_tokenizer: bool = True):
+    from hardy.formats.load import load_model, set_threads
+
+    set_threads(getattr(args, "threads", None))
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype])
+    if need_tokenizer and loaded.tokenizer is None:
+        raise HardyError(f"{args.model}: the model has no tokenizer")
+    return loaded

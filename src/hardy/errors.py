@@ -1,0 +1,10 @@
+"""User-facing errors: the CLI prints these as one line and exits with code 2."""
+
+
+class HardyError(Exception):
+    """Bad input from the user (file, config, data): reported without a traceback."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise HardyError(message)

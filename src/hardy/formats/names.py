@@ -1,0 +1,66 @@
+"""Tensor-name maps between hardy's state dict, GGUF (llama.cpp) and Hugging Face Llama."""
+from __future__ import annotations
+
+import re
+
+# Per-layer tensors: hardy suffix -> (GGUF suffix, HF suffix).
+LAYER_TENSORS = {
+    "attention_norm.weight": ("attn_norm.weight", "input_layernorm.weight"),
+    "attention.wq.weight": ("attn_q.weight", "self_attn.q_proj.weight"),
+    "attention.wk.weight": ("attn_k.weight", "self_attn.k_proj.weight"),
+    "attention.wv.weight": ("attn_v.weight", "self_attn.v_proj.weight"),
+    "attention.wo.weight": ("attn_output.weight", "self_attn.o_proj.weight"),
+    "ffn_norm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    "feed_forward.w1.weight": ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    "feed_forward.w3.weight": ("ffn_up.weight", "mlp.up_proj.weight"),
+    "feed_forward.w2.weight": ("ffn_down.weight", "mlp.down_proj.weight"),
+}
+GLOBAL_TENSORS = {
+    "tok_embeddings.weight": ("token_embd.weight", "model.embed_tokens.weight"),
+    "norm.weight": ("output_norm.weight", "model.norm.weight"),
+    "output.weight": ("output.weight", "lm_head.weight"),
+}
+_FORMATS = {"gguf": (0, "blk.{}."), "hf": (1, "model.layers.{}.")}
+
+
+def _tables(fmt: str) -> tuple[dict[str, str], dict[str, str]]:
+    col, layer_prefix = _FORMATS[fmt]
+    to_fmt = {k: v[col] for k, v in GLOBAL_TENSORS.items()}
+    layer = {k: v[col] for k, v in LAYER_TENSORS.items()}
+    return to_fmt, layer
+
+
+def to_format(name: str, fmt: str) -> str:
+    """hardy name -> GGUF/HF name."""
+    globals_, layer = _tables(fmt)
+    if name in globals_:
+        return globals_[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in layer:
+        return _FORMATS[fmt][1].format(m.group(1)) + layer[m.group(2)]
+    raise KeyError(name)
+
+
+def from_format(name: str, fmt: str) -> str | None:
+    """GGUF/HF name -> hardy name, or None for tensors hardy does not use (e.g. rope_freqs)."""
+    globals_, layer = _tables(fmt)
+    for ours, theirs in globals_.items():
+        if theirs == name:
+            return ours
+    prefix = re.escape(_FORMATS[fmt][1]).replace(r"\{\}", r"(\d+)")
+    m = re.fullmatch(prefix + "(.+)", name)
+    if m:
+        for ours, theirs in layer.items():
+            if theirs == m.group(2):
+                return f"layers.{m.group(1)}.{ours}"
+    return None
+
+
+def permute_qk(w, n_heads: int):
+    """HF -> llama.cpp row order for attn_q/attn_k (interleaved rotary pairs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w, n_heads: int):
+    """llama.cpp -> HF row order; the inverse of `permute_qk`."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

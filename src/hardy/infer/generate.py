@@ -1,0 +1,111 @@
+"""Autoregressive generation: one-pass prefill into a static KV cache, then token-by-token decode."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hardy.errors import HardyError
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise HardyError(f"--max-new-tokens must be >= 0 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise HardyError(f"--temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise HardyError(f"--top-p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first new token comes out of the prefill; decode steps produce the rest.
+        steps = max(self.new_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
+    """Next token from the last position's logits [vocab]."""
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_p, dim=-1)
+        keep = cumulative - sorted_p < cfg.top_p  # smallest prefix whose mass reaches top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_logits(model, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Logits of the last position only: the LM head (49k x 576 for SmolLM2) runs on one row."""
+    return model.output(model.hidden_states(tokens, start_pos)[0, -1])
+
+
+@torch.inference_mode()
+def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] | None = None,
+             use_cache: bool = True, on_token: Callable[[int], None] | None = None) -> Generation:
+    if not prompt:
+        raise HardyError("the prompt is empty")
+    total = len(prompt) + cfg.max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise HardyError(f"prompt ({len(prompt)}) + max new tokens ({cfg.max_new_tokens}) exceeds the model's "
+                         f"context of {model.cfg.max_seq_len} tokens")
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    stop_ids = stop_ids or set()
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    out: list[int] = []
+    if cfg.max_new_tokens == 0:
+        return Generation(out, stats)
+    if use_cache:
+        model.setup_kv_cache(1, total)
+    try:
+        t0 = time.perf_counter()
+        logits = next_logits(model, torch.tensor([prompt]), 0)
+        stats.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while True:
+            token = sample(logits, cfg, generator)
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop_ids or len(out) >= cfg.max_new_tokens:
+                break
+            if use_cache:
+                logits = next_logits(model, torch.tensor([[token]]), len(prompt) + len(out) - 1)
+            else:
+                logits = next_logits(model, torch.tensor([prompt + out]), 0)
+        stats.decode_s = time.perf_counter() - t0
+    finally:
+        if use_cache:
+            model.clear_kv_cache()
+    stats.new_tokens = len(out)
+    return Generation(out, stats)

