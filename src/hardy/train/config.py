@@ -1,0 +1,260 @@
+"""Training configuration: one typed dataclass per component, loaded from TOML + `--set` overrides.
+
+Each component receives only its own section. Everything is validated before any work starts;
+the resolved config (after overrides and derived values) is written to the run directory and
+into every checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hardy.errors import HardyError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise HardyError(f"invalid config: {msg}")
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    init_from: str = ""  # "" = from scratch; else smollm2-135m, a .gguf file or a model directory
+
+    def __post_init__(self):
+        from hardy.model.config import PRESETS
+
+        _check(self.preset in PRESETS, f"model.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
+
+
+@dataclass
+class DataSection:
+    path: str = ""  # a prepared dataset directory (hardy data prepare)
+    inputs: list[str] = field(default_factory=list)  # or raw text files / bundled corpora, prepared on start
+    tokenizer: str = "bpe:8192"  # for `inputs`: smollm2 or bpe:VOCAB
+    seq_len: int = 256
+    val_fraction: float = 0.05
+
+    def __post_init__(self):
+        _check(bool(self.path) != bool(self.inputs), "set exactly one of data.path or data.inputs")
+        _check(self.seq_len >= 2, f"data.seq_len must be >= 2 (got {self.seq_len})")
+        _check(0 <= self.val_fraction < 1, f"data.val_fraction must be in [0, 1) (got {self.val_fraction})")
+
+
+@dataclass
+class TrainSection:
+    steps: int = 200
+    seed: int = 1234
+    micro_batch: int = 8
+    grad_accum: int = 1
+    activation_checkpoint: str = "none"  # none | full | every:K
+    compile: bool = False
+    deterministic: bool = True
+    threads: int = 0  # 0 = leave torch's default (torchrun sets OMP_NUM_THREADS=1 per process)
+
+    def __post_init__(self):
+        _check(self.steps >= 1, f"train.steps must be >= 1 (got {self.steps})")
+        _check(self.micro_batch >= 1, f"train.micro_batch must be >= 1 (got {self.micro_batch})")
+        _check(self.grad_accum >= 1, f"train.grad_accum must be >= 1 (got {self.grad_accum})")
+        _check(self.threads >= 0, f"train.threads must be >= 0 (got {self.threads})")
+        ac = self.activation_checkpoint
+        ok = ac in ("none", "full") or (ac.startswith("every:") and ac[6:].isdigit() and int(ac[6:]) >= 1)
+        _check(ok, f"train.activation_checkpoint must be none, full or every:K (got {ac!r})")
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = off
+
+    def __post_init__(self):
+        _check(self.lr > 0, f"optim.lr must be > 0 (got {self.lr})")
+        _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0 (got {self.warmup_steps})")
+        _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {self.weight_decay})")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
+        _check(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (got {self.grad_clip})")
+
+
+@dataclass
+class ParallelSection:
+    dp_replicate: int = -1  # -1: all processes not used by the other degrees
+    dp_shard: int = 1
+    tp: int = 1
+    reshard_after_forward: bool = True  # FSDP2: True = full shard (ZeRO-3), False = shard-grad-op (ZeRO-2)
+    cpu_offload: bool = False
+    backend: str = "auto"  # auto | gloo | nccl
+
+    def __post_init__(self):
+        _check(self.backend in ("auto", "gloo", "nccl"), f"parallel.backend must be auto, gloo or nccl")
+
+
+@dataclass
+class PrecisionSection:
+    dtype: str = "fp32"  # compute/parameter dtype in forward and backward
+    reduce_dtype: str = "fp32"  # gradient reduction dtype
+    loss_scale: float = 65536.0  # fp16 only: initial dynamic loss scale
+    loss_scale_growth_interval: int = 200
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPE_NAMES, f"precision.dtype must be one of {', '.join(DTYPE_NAMES)}")
+        _check(self.reduce_dtype in DTYPE_NAMES, f"precision.reduce_dtype must be one of {', '.join(DTYPE_NAMES)}")
+        _check(self.loss_scale > 0, "precision.loss_scale must be > 0")
+        _check(self.loss_scale_growth_interval >= 1, "precision.loss_scale_growth_interval must be >= 1")
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 3
+    resume: str = "auto"  # auto | never | a checkpoint directory
+    at_end: bool = True
+
+    def __post_init__(self):
+        _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (got {self.interval})")
+        _check(self.keep >= 1, f"checkpoint.keep must be >= 1 (got {self.keep})")
+
+
+@dataclass
+class FaultSection:
+    skip_nonfinite: bool = True  # a NaN/Inf loss or gradient norm on any rank skips the step on all ranks
+
+
+@dataclass
+class LogSection:
+    every: int = 1
+    jsonl: bool = True
+    tensorboard: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        _check(self.every >= 1, f"log.every must be >= 1 (got {self.every})")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=lambda: DataSection(inputs=["tinyshakespeare"]))
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    fault: FaultSection = field(default_factory=FaultSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(section: str, key: str, value, annotation):
+    hints = typing.get_type_hints(annotation)
+    want = hints[key]
+    origin = typing.get_origin(want)
+    where = f"{section}.{key}"
+    if want is bool:
+        if not isinstance(value, bool):
+            raise HardyError(f"invalid config: {where} must be true or false (got {value!r})")
+        return value
+    if want is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HardyError(f"invalid config: {where} must be an integer (got {value!r})")
+        return value
+    if want is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HardyError(f"invalid config: {where} must be a number (got {value!r})")
+        return float(value)
+    if want is str:
+        if not isinstance(value, str):
+            raise HardyError(f"invalid config: {where} must be a string (got {value!r})")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise HardyError(f"invalid config: {where} must be a list of strings (got {value!r})")
+        return value
+    return value
+
+
+def build_config(raw: dict) -> TrainConfig:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise HardyError(f"invalid config: unknown section [{unknown[0]}] (known: {', '.join(SECTIONS)})")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        values = raw.get(name, {})
+        if not isinstance(values, dict):
+            raise HardyError(f"invalid config: [{name}] must be a table")
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(values) - known)
+        if bad:
+            raise HardyError(f"invalid config: unknown key {name}.{bad[0]} (known: {', '.join(sorted(known))})")
+        coerced = {k: _coerce(name, k, v, cls) for k, v in values.items()}
+        if name == "data" and not coerced:
+            sections[name] = TrainConfig().data
+            continue
+        sections[name] = cls(**coerced)
+    return TrainConfig(**sections)
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise HardyError(f"--set expects section.key=value (got {item!r})")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: --set model.preset=micro
+    return section, key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise HardyError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise HardyError(f"{path}: malformed TOML ({e})") from None
+        except UnicodeDecodeError:
+            raise HardyError(f"{path}: config is not UTF-8 text") from None
+    for item in overrides:
+        section, key, value = parse_override(item)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise HardyError(f"invalid config: [{section}] must be a table")
+        raw[section][key] = value
+    return build_config(raw)
+
+
+def config_from_dict(data: dict) -> TrainConfig:
+    """Rebuild a resolved config (e.g. from a checkpoint's JSON)."""
+    return build_config(data)
