@@ -54,3 +54,16 @@ def run_hardy(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "hardy", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def micro_dataset(tmp_path_factory) -> Path:
+    """A 200 kB Shakespeare slice, cleaned and tokenized with a 512-token BPE (the micro vocabulary)."""
+    from hardy.data.prepare import prepare
+    from hardy.data.text import resolve_text_path
+
+    root = tmp_path_factory.mktemp("micro_data")
+    text = root / "shakespeare.txt"
+    text.write_text(resolve_text_path("tinyshakespeare").read_text()[:200_000])
+    prepare([str(text)], "bpe:512", root / "ds", seed=0)
+    return root / "ds"

@@ -49,7 +49,7 @@ def resolve_source(spec: str) -> tuple[str, Path]:
         return "gguf", smollm2_gguf_path()
     path = Path(spec)
     if path.is_dir():
-        return "hf", path
+        return ("run" if (path / "checkpoints").is_dir() else "hf"), path
     if path.suffix == ".gguf" or path.is_file():
         if not path.exists():
             raise HardyError(f"model file not found: {path}")
@@ -75,6 +75,9 @@ def config_for(spec: str) -> ModelConfig:
         return cfg.replace(tie_embeddings=tied)
     import json
 
+    if kind == "run":
+        resolved = json.loads((path / "config.json").read_text())
+        return ModelConfig.from_dict(resolved["resolved"]["model"])
     from hardy.formats.hf import config_from_hf
 
     return config_from_hf(json.loads((path / "config.json").read_text()), path)
@@ -109,6 +112,12 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: s
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     kind, path = resolve_source(spec)
+    if kind == "run":
+        from hardy.train.trainer import load_run_model
+
+        cfg, model, tokenizer = load_run_model(path)
+        return LoadedModel(model=model.to(dtype=dtype, device=device), tokenizer=tokenizer, config=cfg,
+                           source=str(path))
     if kind == "gguf":
         from hardy.formats.gguf_io import load_gguf
 

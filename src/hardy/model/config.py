@@ -138,3 +138,13 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
         output=output,
         per_layer=attention + mlp + layer_norms,
     )
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B).
+
+    Matmul parameters exclude an untied input embedding (a lookup); a tied one is the LM head.
+    """
+    counts = count_parameters(cfg)
+    matmul_params = counts.total - (counts.embedding if not cfg.tie_embeddings else 0) - counts.norms
+    return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hardy.model.config import ModelConfig, RopeScaling
+from hardy.model.loss import linear_cross_entropy
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -150,20 +151,27 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
-        """Initialize every parameter and buffer in place (after `to_empty()` on a meta model)."""
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.tie_weights()
+    def initial_state(self, seed: int | None = None, std: float = 0.02):
+        """(name, full tensor) of a fresh initialization, in parameter order, from one seeded stream.
+
+        Layout-independent: a sharded copy of the model is initialized from the same values.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         out_std = std / math.sqrt(2 * self.cfg.n_layers)  # residual-branch outputs (GPT-2 practice)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                yield name, torch.ones(p.shape)
             else:
                 scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+                yield name, torch.randn(p.shape, generator=gen) * scale
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty()` on a meta model)."""
+        self.tie_weights()
+        params = dict(self.named_parameters())
+        for name, value in list(self.initial_state(seed, std)):
+            params[name].copy_(value)
         self.reset_rope()
 
     def reset_rope(self, seq_len: int | None = None) -> None:
@@ -203,8 +211,12 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, start_pos)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        return self.output(self.hidden_states(tokens, start_pos))
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; with `targets`, the mean next-token loss instead (no full logits)."""
+        h = self.hidden_states(tokens, start_pos)
+        if targets is not None:
+            return linear_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten())
+        return self.output(h)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0,

@@ -168,7 +168,7 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+SECTIONS = typing.get_type_hints(TrainConfig)
 
 
 def _coerce(section: str, key: str, value, annotation):

@@ -1,0 +1,220 @@
+"""Training checkpoints: Distributed Checkpoint (DCP) + JSON side files + checksum manifest.
+
+Layout of RUN_DIR/checkpoints/step_%08d/:
+    .metadata, __R_0.distcp   DCP: model and optimizer state (sharded as trained, loadable on any layout)
+    trainer.json              step, scheduler, loss scaler, counters, resolved config (rank 0)
+    rank_%05d.json            per-rank RNG state and data-loader position
+    manifest.json             sha256 and size of every file above
+    COMPLETE                  written last; a directory without it is ignored
+
+A save is written into `.step_%08d.partial`, renamed when every rank has finished, and marked
+COMPLETE afterwards. DCP's `.metadata` is a pickle, so a checkpoint is only loaded from a run
+directory hardy wrote and only after its manifest verifies.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hardy.errors import HardyError
+from hardy.parallel.distributed import barrier
+
+log = logging.getLogger(__name__)
+
+MANIFEST, COMPLETE, TRAINER = "manifest.json", "COMPLETE", "trainer.json"
+_STEP_DIR = re.compile(r"step_(\d{8})$")
+
+
+class CheckpointCorrupt(Exception):
+    pass
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    files = {}
+    for f in sorted(directory.rglob("*")):
+        if f.is_file() and f.name not in (MANIFEST, COMPLETE):
+            fsync_path(f)
+            files[str(f.relative_to(directory))] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    write_json_atomic(directory / MANIFEST, {"version": 1, "files": files})
+
+
+def verify_manifest(directory: Path) -> None:
+    """Raise CheckpointCorrupt naming the first file that is missing, truncated or altered."""
+    manifest_file = directory / MANIFEST
+    try:
+        manifest = json.loads(manifest_file.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointCorrupt(f"{manifest_file}: unreadable manifest ({e})") from None
+    present = {str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file()} - {MANIFEST, COMPLETE}
+    extra = sorted(present - set(files))
+    if extra:
+        raise CheckpointCorrupt(f"{directory / extra[0]}: file not listed in the manifest")
+    for name, info in files.items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointCorrupt(f"{f}: missing")
+        if f.stat().st_size != info["bytes"]:
+            raise CheckpointCorrupt(f"{f}: {f.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)")
+        if sha256_file(f) != info["sha256"]:
+            raise CheckpointCorrupt(f"{f}: checksum mismatch (corrupted)")
+
+
+def rng_state() -> dict:
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+def step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint directories, newest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for d in ckpt_root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found, reverse=True)
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: Path, keep: int, rank: int, device: torch.device):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep, self.rank, self.device = keep, rank, device
+
+    def _broadcast_int(self, value: int) -> int:
+        if not dist.is_initialized():
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict) -> Path:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        final = self.root / f"step_{step:08d}"
+        partial = self.root / f".step_{step:08d}.partial"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # a stale, incomplete copy of this step
+            partial.mkdir()
+        barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state)
+        if self.rank == 0:
+            write_json_atomic(partial / TRAINER, trainer_state)
+        barrier()
+        if self.rank == 0:
+            write_manifest(partial)
+            os.rename(partial, final)
+            fsync_path(self.root)
+            (final / COMPLETE).write_text(f"{step}\n")
+            fsync_path(final / COMPLETE)
+            fsync_path(final)
+            self._prune()
+        barrier()
+        return final
+
+    def _prune(self) -> None:
+        for _, d in step_dirs(self.root)[self.keep:]:
+            shutil.rmtree(d, ignore_errors=True)
+        for d in self.root.glob(".step_*.partial"):
+            shutil.rmtree(d, ignore_errors=True)
+
+    def find_resumable(self, explicit: Path | None = None) -> Path | None:
+        """Newest complete checkpoint whose manifest verifies (rank 0 decides, all ranks agree)."""
+        chosen = -1
+        candidates = [(0, explicit)] if explicit is not None else step_dirs(self.root)
+        if self.rank == 0:
+            for i, (_, d) in enumerate(candidates):
+                try:
+                    verify_manifest(d)
+                    chosen = i
+                    break
+                except CheckpointCorrupt as e:
+                    if explicit is not None:
+                        raise HardyError(f"checkpoint {d} failed verification: {e}") from None
+                    log.warning("skipping damaged checkpoint %s: %s", d.name, e)
+        chosen = self._broadcast_int(chosen)
+        return None if chosen < 0 else candidates[chosen][1]
+
+    def load(self, directory: Path, model, optimizer) -> tuple[dict, dict]:
+        """Restore model + optimizer in place; returns (trainer_state, this rank's state)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        trainer_state = json.loads((directory / TRAINER).read_text())
+        rank_file = directory / f"rank_{self.rank:05d}.json"
+        if not rank_file.is_file():
+            raise HardyError(f"{directory}: no state for rank {self.rank} (was the run saved with another world size?)")
+        return trainer_state, json.loads(rank_file.read_text())
+
+
+def load_model_weights(directory: Path, model) -> dict:
+    """Load only the model weights of a verified checkpoint into a plain (unsharded) model."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        verify_manifest(directory)
+    except CheckpointCorrupt as e:
+        raise HardyError(f"checkpoint {directory} failed verification: {e}") from None
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(directory))
+    model.load_state_dict(state["model"])
+    return json.loads((directory / TRAINER).read_text())

@@ -1,0 +1,33 @@
+"""hardy data prepare: clean, de-duplicate, tokenize and shard a corpus."""
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    from hardy.cli.common import Parser
+
+    p = sub.add_parser("data", help="data preparation")
+    tasks = p.add_subparsers(dest="task", required=True, parser_class=Parser)
+    pp = tasks.add_parser("prepare", help="clean, de-duplicate, split, tokenize and write token shards")
+    pp.add_argument("--input", nargs="+", required=True, help="text files or bundled corpora (tinyshakespeare, ...)")
+    pp.add_argument("--tokenizer", required=True, help="smollm2, bpe:VOCAB (train a byte-level BPE) or a directory")
+    pp.add_argument("--out", required=True)
+    pp.add_argument("--val-fraction", type=float, default=0.05)
+    pp.add_argument("--near-dup-threshold", type=float, default=0.8, help="Jaccard over word 5-gram shingles")
+    pp.add_argument("--min-words", type=int, default=3)
+    pp.add_argument("--max-chars", type=int, default=100_000)
+    pp.add_argument("--max-symbol-ratio", type=float, default=0.25)
+    pp.add_argument("--seed", type=int, default=0)
+    pp.set_defaults(func=run_prepare)
+
+
+def run_prepare(args) -> int:
+    from hardy.data.clean import CleanConfig
+    from hardy.data.prepare import prepare
+
+    clean = CleanConfig(min_words=args.min_words, max_chars=args.max_chars, max_symbol_ratio=args.max_symbol_ratio)
+    report = prepare(args.input, args.tokenizer, args.out, clean=clean, near_threshold=args.near_dup_threshold,
+                     val_fraction=args.val_fraction, seed=args.seed)
+    for line in report.lines():
+        print(line)
+    print(f"wrote {args.out}")
+    return 0

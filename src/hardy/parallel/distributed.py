@@ -1,0 +1,70 @@
+"""Process-group setup from torchrun's environment, and small collective helpers."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hardy.errors import HardyError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+    """Initialize torch.distributed when launched by torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise HardyError("parallel.backend = nccl needs CUDA GPUs; use gloo on CPU")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_max(value: float, device) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    if not dist.is_initialized():
+        return value
+    value = value.detach().clone().double()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

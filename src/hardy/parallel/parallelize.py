@@ -1,0 +1,180 @@
+"""Apply parallelism, activation checkpointing and compilation to a meta-device model, from outside.
+
+Order (as in torchtitan): tensor parallel -> activation checkpointing -> compile -> FSDP2 / DDP,
+then materialize with `to_empty` and fill the weights (fresh init or a checkpoint), identically
+on every layout: full tensors are generated from the seed and each rank keeps its shard, so a
+sharded run starts from exactly the weights of a single-process run.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hardy.errors import HardyError
+from hardy.parallel.dims import ParallelDims
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_mesh(dims: ParallelDims, device_type: str):
+    if dims.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = dims.mesh_shape()
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def apply_tp(model: nn.Module, mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    cfg = model.cfg
+    tp = mesh.size()
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
+        if n % tp:
+            raise HardyError(f"tensor parallel degree {tp} does not divide model {what} = {n}")
+    for block in model.layers:
+        parallelize_module(block, mesh, plan)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
+    """none | full | every:K (checkpoint every K-th block). Returns how many blocks were wrapped."""
+    if mode == "none":
+        return 0
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    every = 1 if mode == "full" else int(mode.split(":", 1)[1])
+    wrapped = 0
+    for i, block in enumerate(model.layers):
+        if i % every == 0:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped += 1
+    return wrapped
+
+
+def apply_compile(model: nn.Module) -> None:
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, dynamic=False)
+
+
+def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, cpu_offload: bool) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    # The root holds embeddings, final norm and the (possibly tied) LM head.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+
+
+def fsdp_mesh(mesh, dims: ParallelDims):
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def wrap_ddp(model: nn.Module, mesh, reduce_dtype: torch.dtype) -> nn.Module:
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    with warnings.catch_warnings():  # newer torch renames broadcast_buffers; the rope tables need no sync
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        ddp = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
+                                      broadcast_buffers=False, gradient_as_bucket_view=True)
+    if reduce_dtype != torch.float32:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(mesh["dp_replicate"].get_group(), hook)
+    return ddp
+
+
+@torch.no_grad()
+def assign_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) tensors into parameters that may be DTensor shards."""
+    params = dict(model.named_parameters(remove_duplicate=True))
+    for name, value in full.items():
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        p = params.get(name)
+        if p is None:
+            continue
+        if isinstance(p, DTensor):
+            value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements)
+            p.copy_(value)
+        else:
+            p.copy_(value.to(p.dtype))
+
+
+def clean_name(name: str) -> str:
+    """Parameter name without the wrappers' prefixes (checkpoint, compile, DDP)."""
+    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, materialize, *, ac: str = "none",
+                compile: bool = False, dtype: str = "fp32", reduce_dtype: str = "fp32",
+                reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+    """Returns the module to train (a DDP wrapper for pure data parallelism).
+
+    `materialize(model)` fills the weights after `to_empty` (before any DDP broadcast).
+    """
+    if dims.uses_tp:
+        apply_tp(model, mesh["tp"])
+    apply_activation_checkpointing(model, ac)
+    if compile:
+        apply_compile(model)
+    param_dtype, red_dtype = DTYPES[dtype], DTYPES[reduce_dtype]
+    offload = cpu_offload and device.type == "cuda"
+    if cpu_offload and not offload:
+        log.info("parallel.cpu_offload: parameters already live in CPU memory on this host; nothing to offload")
+    if dims.uses_fsdp:
+        apply_fsdp(model, fsdp_mesh(mesh, dims), reshard_after_forward, param_dtype, red_dtype, offload)
+    elif dims.uses_ddp and dims.uses_tp:
+        raise HardyError("DDP combined with tensor parallelism is not supported: shard the data dimension "
+                         "instead (parallel.dp_shard) for FSDP + TP")
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own tensor; FSDP2 keeps the tie, plain modules do not
+    materialize(model)
+    if dims.uses_ddp:
+        return wrap_ddp(model, mesh, red_dtype)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def autocast_context(device: torch.device, dtype: str, uses_fsdp: bool):
+    """FSDP2 casts parameters itself (MixedPrecisionPolicy); other layouts use autocast."""
+    if dtype == "fp32" or uses_fsdp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+def grad_sync_context(model: nn.Module, sync: bool):
+    """Skip gradient communication on all but the last micro-batch of an accumulation."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,84 @@
+"""Per-step metrics on rank 0: one fixed-format line, and the same dict to every sink.
+
+JSONL schema (version 1, documented in docs/metrics.md): one object per line with "schema" and
+"event" ("start", "step", "checkpoint", "end"); step records carry the keys in STEP_KEYS.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s", "mfu",
+             "peak_mem_bytes", "ckpt_stall_s", "skipped", "loss_scale")
+
+
+def format_step(m: dict, total_steps: int) -> str:
+    skipped = "  SKIPPED (non-finite)" if m["skipped"] else ""
+    mfu = f"{100 * m['mfu']:5.1f}%" if m["mfu"] is not None else "   n/a"
+    return (f"step {m['step']:>6}/{total_steps} | loss {m['loss']:8.4f} | gnorm {m['grad_norm']:7.3f} | "
+            f"lr {m['lr']:.2e} | {m['tokens_per_s']:>9,.0f} tok/s | mfu {mfu} | "
+            f"mem {m['peak_mem_bytes'] / 2**20:8.1f} MiB | ckpt {m['ckpt_stall_s']:5.2f} s{skipped}")
+
+
+class MetricsLogger:
+    """Writes to the console (with a progress bar), metrics.jsonl and optionally TensorBoard."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, every: int = 1,
+                 jsonl: bool = True, tensorboard: bool = False, progress: bool = True):
+        self.enabled, self.every, self.total = enabled, every, total_steps
+        self._jsonl = self._tb = self._bar = None
+        if not enabled:
+            return
+        if jsonl:
+            self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                from hardy.errors import HardyError
+
+                raise HardyError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
+
+    def event(self, name: str, **fields) -> None:
+        if self.enabled and self._jsonl:
+            self._jsonl.write(json.dumps({"schema": SCHEMA_VERSION, "event": name, "time": time.time(), **fields}) + "\n")
+
+    def print(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, m: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"schema": SCHEMA_VERSION, "event": "step", "time": time.time(), **clean}) + "\n")
+        if self._tb:
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes"):
+                if clean.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", clean[key], m["step"])
+        if m["step"] % self.every == 0 or m["step"] == self.total or m["skipped"]:
+            self.print(format_step(m, self.total))
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()

@@ -1,0 +1,330 @@
+"""`hardy train`: the training loop, the same code single-process and under torchrun.
+
+State that a resumed run needs — model, optimizer, scheduler, loss scaler, data-loader position,
+RNG — is all checkpointed (see hardy.checkpoint.manager), so a resumed run continues exactly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state, write_json_atomic
+from hardy.data.loader import PackedLoader
+from hardy.errors import HardyError
+from hardy.model.config import ModelConfig, count_parameters, flops_per_token, get_preset
+from hardy.model.llama import Transformer
+from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
+from hardy.ops.memory import MemoryMeter
+from hardy.parallel import distributed as D
+from hardy.parallel.dims import ParallelDims
+from hardy.parallel.grads import global_grad_norm, scale_grads
+from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh,
+                                        grad_sync_context, parallelize, unwrap)
+from hardy.train.config import TrainConfig
+from hardy.train.metrics import MetricsLogger
+from hardy.train.precision import LossScaler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    final_loss: float
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int
+    skipped_steps: int
+    checkpoint: str | None
+
+    def lines(self) -> list[str]:
+        return [f"finished {self.steps} steps in {self.wall_s:.1f} s: final loss {self.final_loss:.4f}, "
+                f"{self.tokens:,} tokens ({self.tokens_per_s:,.0f} tokens/s), peak memory "
+                f"{self.peak_mem_bytes / 2**20:.1f} MiB, {self.skipped_steps} skipped step(s)",
+                f"last checkpoint: {self.checkpoint or 'none'}"]
+
+
+def prepare_dataset(cfg: TrainConfig, run_dir: Path, env: D.DistEnv) -> Path:
+    """data.path as given, or data.inputs prepared once into RUN_DIR/data (rank 0; others wait).
+
+    Preparation runs in a child process so its memory peak does not count as the trainer's.
+    """
+    import subprocess
+    import sys
+
+    from hardy.data.prepare import INDEX_FILE
+
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    target = run_dir / "data"
+    if env.is_main and not (target / INDEX_FILE).exists():
+        cmd = [sys.executable, "-m", "hardy", "data", "prepare", "--input", *cfg.data.inputs,
+               "--tokenizer", cfg.data.tokenizer, "--out", str(target), "--val-fraction", str(cfg.data.val_fraction),
+               "--seed", str(cfg.train.seed)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        for line in proc.stdout.splitlines():
+            print(f"data: {line}", flush=True)
+        if proc.returncode:
+            raise HardyError(proc.stderr.strip().removeprefix("hardy: error: ") or "data preparation failed")
+    D.barrier()
+    return target
+
+
+def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, dict | None]:
+    """The model config and, when fine-tuning, the pretrained weights (full tensors)."""
+    if cfg.model.init_from:
+        from hardy.formats.load import load_model
+
+        loaded = load_model(cfg.model.init_from)
+        mcfg = loaded.config
+        if mcfg.vocab_size < vocab_size:
+            raise HardyError(f"the data's tokenizer has {vocab_size} tokens but {cfg.model.init_from} has "
+                             f"{mcfg.vocab_size}: prepare the data with the model's tokenizer")
+        return mcfg, loaded.model.state_dict()
+    mcfg = get_preset(cfg.model.preset)
+    if mcfg.vocab_size != vocab_size:
+        mcfg = mcfg.replace(vocab_size=vocab_size)  # the vocabulary comes from the data's tokenizer
+    return mcfg, None
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    from torch.distributed.tensor import DTensor
+
+    # Weight decay on matrices only. Plain tensors and DTensors go in separate groups: the foreach
+    # kernels run per group and cannot mix the two (tensor parallelism leaves norms/embeddings plain).
+    groups: dict[tuple[bool, bool], list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [{"params": ps, "weight_decay": o.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    total, warmup = cfg.train.steps, o.warmup_steps
+
+    def lr_factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.env = D.init_distributed(cfg.parallel.backend)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.dims = ParallelDims.build(self.env.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
+                                       cfg.parallel.tp)
+        self.memory = MemoryMeter(self.env.device)
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        D.barrier()
+        if cfg.precision.dtype != "fp32" and not has_fast_bf16(self.env.device):
+            log.warning("precision.dtype = %s on hardware without native bf16/fp16 matmul (no AVX512-BF16/AMX): "
+                        "expect it to run much slower than fp32 (~100x for bf16 matmul on AVX2 CPUs)",
+                        cfg.precision.dtype)
+
+        data_dir = prepare_dataset(cfg, self.run_dir, self.env)
+        from hardy.data.prepare import load_index, load_split
+
+        index = load_index(data_dir)
+        self.tokens = load_split(data_dir, "train")
+        self.model_cfg, pretrained = resolve_model_config(cfg, index["vocab_size"])
+        if cfg.data.seq_len > self.model_cfg.max_seq_len:
+            raise HardyError(f"data.seq_len {cfg.data.seq_len} exceeds the model's context {self.model_cfg.max_seq_len}")
+        self.resolved = {**cfg.to_dict(), "resolved": {
+            "model": self.model_cfg.to_dict(), "dataset": str(data_dir), "world_size": self.env.world_size,
+            "parallel": self.dims.describe(), "dp": self.dims.dp}}
+        if self.env.is_main:
+            write_json_atomic(self.run_dir / "config.json", self.resolved)
+
+        torch.manual_seed(cfg.train.seed)
+        with torch.device("meta"):
+            model = Transformer(self.model_cfg)
+        self.mesh = build_mesh(self.dims, self.env.device.type)
+
+        def materialize(m):
+            values = pretrained if pretrained is not None else dict(m.initial_state(cfg.train.seed))
+            assign_full_state(m, values)
+            m.reset_rope(cfg.data.seq_len)
+
+        self.model = parallelize(
+            model, self.dims, self.mesh, self.env.device, materialize, ac=cfg.train.activation_checkpoint,
+            compile=cfg.train.compile, dtype=cfg.precision.dtype, reduce_dtype=cfg.precision.reduce_dtype,
+            reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload)
+        self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
+        self.scaler = LossScaler(cfg.precision.dtype == "fp16", cfg.precision.loss_scale,
+                                 cfg.precision.loss_scale_growth_interval)
+        self.loader = PackedLoader(self.tokens, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.grad_accum,
+                                   dp_rank=self.dims.dp_rank(self.env.rank), dp_size=self.dims.dp, seed=cfg.train.seed)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
+        self.step = 0
+        self.skipped = 0
+        self.tokens_per_step = self.dims.dp * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> tuple[Path, float]:
+        t0 = time.perf_counter()
+        trainer_state = {"step": self.step, "skipped": self.skipped, "scheduler": self.scheduler.state_dict(),
+                         "scaler": self.scaler.state_dict(), "config": self.resolved}
+        rank_state = {"rng": rng_state(), "loader": self.loader.state_dict()}
+        path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
+        return path, time.perf_counter() - t0
+
+    def maybe_resume(self) -> Path | None:
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            return None
+        explicit = None if mode == "auto" else Path(mode)
+        if explicit is not None and not explicit.is_dir():
+            raise HardyError(f"checkpoint.resume: {explicit} is not a checkpoint directory")
+        path = self.ckpt.find_resumable(explicit)
+        if path is None:
+            return None
+        trainer_state, rank_state = self.ckpt.load(path, self.model, self.optimizer)
+        self.step, self.skipped = int(trainer_state["step"]), int(trainer_state.get("skipped", 0))
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.scaler.load_state_dict(trainer_state["scaler"])
+        self.loader.load_state_dict(rank_state["loader"])
+        set_rng_state(rank_state["rng"])
+        return path
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        accum = cfg.train.grad_accum
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        t0 = time.perf_counter()
+        for micro in range(accum):
+            inputs, targets = self.loader.next_batch()
+            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            with grad_sync_context(self.model, micro == accum - 1):
+                with autocast_context(self.env.device, cfg.precision.dtype, self.dims.uses_fsdp):
+                    loss = self.model(inputs, targets=targets)
+                (loss * (self.scaler.scale / accum)).backward()
+            loss_sum += loss.detach().double().cpu()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = global_grad_norm(params) / self.scaler.scale
+        mean_loss = float(D.all_reduce_mean(loss_sum / accum))
+        bad = not (math.isfinite(grad_norm) and math.isfinite(mean_loss))
+        bad = D.all_reduce_max(float(bad), self.env.device) > 0  # any rank non-finite -> all skip
+        skip = bad and (cfg.fault.skip_nonfinite or self.scaler.enabled)
+        if bad and not skip:
+            raise HardyError(f"non-finite loss or gradient at step {self.step + 1} (fault.skip_nonfinite = false)")
+        lr = self.scheduler.get_last_lr()[0]
+        if skip:
+            self.skipped += 1
+        else:
+            factor = 1.0 / self.scaler.scale
+            if cfg.optim.grad_clip and grad_norm > cfg.optim.grad_clip:
+                factor *= cfg.optim.grad_clip / (grad_norm + 1e-6)
+            if factor != 1.0:
+                scale_grads(params, factor)
+            self.optimizer.step()
+        self.scaler.update(bad)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()  # the schedule follows steps taken, skipped or not, so resume is exact
+        self.step += 1
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
+                "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
+                "step_time_s": dt, "skipped": bool(skip), "loss_scale": self.scaler.scale}
+
+    def run(self) -> RunSummary:
+        cfg = self.cfg
+        resumed = self.maybe_resume()
+        main = self.env.is_main
+        logger = MetricsLogger(self.run_dir, cfg.train.steps, self.step, main, cfg.log.every, cfg.log.jsonl,
+                               cfg.log.tensorboard, cfg.log.progress)
+        peak = measure_matmul_flops(DTYPES[cfg.precision.dtype], self.env.device) * self.env.world_size if main else None
+        counts = count_parameters(self.model_cfg)
+        logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {self.dims.describe()}, "
+                     f"{cfg.precision.dtype}, {self.tokens_per_step:,} tokens/step, run dir {self.run_dir}"
+                     + (f", resumed from {resumed.name}" if resumed else ""))
+        logger.event("start", step=self.step, config=self.resolved, peak_flops=peak,
+                     flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None)
+        t_start = time.perf_counter()
+        steps_run, last_loss, last_ckpt, stall = 0, float("nan"), str(resumed) if resumed else None, 0.0
+        try:
+            while self.step < cfg.train.steps:
+                m = self.train_step()
+                steps_run += 1
+                if not m["skipped"]:
+                    last_loss = m["loss"]
+                stall = 0.0
+                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 and self.step < cfg.train.steps:
+                    path, stall = self.save_checkpoint()
+                    last_ckpt = str(path)
+                    logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
+                m["ckpt_stall_s"] = stall
+                m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / peak) if peak else None
+                m["peak_mem_bytes"] = self.memory.peak_bytes()
+                logger.step(m)
+            if cfg.checkpoint.at_end and steps_run:
+                path, stall = self.save_checkpoint()
+                last_ckpt = str(path)
+                logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
+            wall = time.perf_counter() - t_start
+            summary = RunSummary(steps=self.step, final_loss=last_loss, tokens=steps_run * self.tokens_per_step,
+                                 wall_s=wall, tokens_per_s=steps_run * self.tokens_per_step / wall if wall else 0.0,
+                                 peak_mem_bytes=self.memory.peak_bytes(), skipped_steps=self.skipped,
+                                 checkpoint=last_ckpt)
+            logger.event("end", **summary.__dict__)
+            for line in summary.lines():
+                logger.print(line)
+            if main:
+                write_json_atomic(self.run_dir / "summary.json", summary.__dict__)
+            return summary
+        finally:
+            logger.close()
+
+
+def train(cfg: TrainConfig, run_dir: Path) -> RunSummary:
+    trainer = Trainer(cfg, run_dir)
+    try:
+        return trainer.run()
+    finally:
+        D.destroy()
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    from hardy.checkpoint.manager import step_dirs
+
+    dirs = step_dirs(Path(run_dir) / "checkpoints")
+    if not dirs:
+        raise HardyError(f"{run_dir}: no complete checkpoint in this run directory")
+    return dirs[0][1]
+
+
+def load_run_model(run_dir: Path):
+    """(config, model with the newest complete checkpoint's weights, tokenizer) of a run directory."""
+    from hardy.checkpoint.manager import load_model_weights
+    from hardy.formats.tokenizer import HardyTokenizer
+
+    run_dir = Path(run_dir)
+    resolved = json.loads((run_dir / "config.json").read_text())
+    mcfg = ModelConfig.from_dict(resolved["resolved"]["model"])
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    load_model_weights(newest_checkpoint(run_dir), model)
+    model.reset_rope()
+    tokenizer = HardyTokenizer.from_hf_dir(Path(resolved["resolved"]["dataset"]))
+    return mcfg, model.eval(), tokenizer
