@@ -63,3 +63,17 @@ def test_ddp_accumulation_matches_single_process(runs):
 def test_fsdp_accumulation_matches_ddp(runs):
     fsdp = runs("fsdp2_accum2", 2, "parallel.dp_shard=2", "train.grad_accum=2")
     assert rel_close(fsdp, runs("ddp2_accum2", 2, "train.grad_accum=2"), RTOL)
+
+
+def test_fsdp_bf16_mixed_precision_tracks_fp32(runs):
+    bf16 = runs("fsdp2_bf16", 2, "parallel.dp_shard=2", "precision.dtype=bf16")
+    fp32 = runs("fsdp2", 2, "parallel.dp_shard=2")
+    assert abs(bf16[-1] - fp32[-1]) <= 0.02 * fp32[-1]
+    assert bf16 != fp32  # the policy really changed the compute dtype
+
+
+def test_ddp_bf16_gradient_reduction_tracks_fp32(runs):
+    red = runs("ddp2_reduce_bf16", 2, "precision.reduce_dtype=bf16")
+    fp32 = runs("ddp2", 2)
+    assert abs(red[-1] - fp32[-1]) <= 0.02 * fp32[-1]
+    assert red != fp32

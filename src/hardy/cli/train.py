@@ -43,7 +43,10 @@ def run_launch(args) -> int:
 
     if args.nproc < 1:
         raise HardyError(f"--nproc must be >= 1 (got {args.nproc})")
-    load_config(args.config, args.set)  # validate before starting any process
+    from hardy.parallel.dims import ParallelDims
+
+    cfg = load_config(args.config, args.set)  # validate before starting any process
+    ParallelDims.build(args.nproc, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
     run_dir = args.run_dir or str(default_run_dir(args.config))
     train_args = ["train", args.config, "--run-dir", run_dir]
     for item in args.set:

@@ -104,27 +104,27 @@ def wrap_ddp(model: nn.Module, mesh, reduce_dtype: torch.dtype) -> nn.Module:
     return ddp
 
 
-@torch.no_grad()
-def assign_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into parameters that may be DTensor shards."""
-    params = dict(model.named_parameters(remove_duplicate=True))
-    for name, value in full.items():
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        p = params.get(name)
-        if p is None:
-            continue
-        if isinstance(p, DTensor):
-            value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements)
-            p.copy_(value)
-        else:
-            p.copy_(value.to(p.dtype))
-
-
 def clean_name(name: str) -> str:
-    """Parameter name without the wrappers' prefixes (checkpoint, compile, DDP)."""
+    """Parameter name without the wrappers' prefixes (activation checkpoint, compile, DDP)."""
     for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
         name = name.replace(prefix, "")
     return name
+
+
+@torch.no_grad()
+def assign_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) tensors into parameters that may be DTensor shards; all must be covered."""
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    values = {clean_name(n): v for n, v in full.items()}
+    missing = sorted(set(params) - set(values))
+    if missing:
+        raise HardyError(f"no initial value for parameter(s) {', '.join(missing[:3])}")
+    for name, p in params.items():
+        value = values[name]
+        if isinstance(p, DTensor):
+            p.copy_(distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements))
+        else:
+            p.copy_(value.to(p.dtype))
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, materialize, *, ac: str = "none",

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,7 +240,9 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(bad)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()  # the schedule follows steps taken, skipped or not, so resume is exact
+        with warnings.catch_warnings():  # a skipped step did not call optimizer.step(): expected here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()  # the schedule follows steps taken, skipped or not, so resume is exact
         self.step += 1
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,

@@ -1,0 +1,109 @@
+"""Single-process trainer options on the micro preset: precision, activation checkpointing, loss pieces."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from trainutil import in_process, rel_close, step_losses
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(tmp_path_factory, micro_dataset):
+    run = tmp_path_factory.mktemp("opts") / "fp32"
+    in_process(run, micro_dataset)
+    return step_losses(run)
+
+
+@pytest.mark.parametrize("mode", ["full", "every:2"])
+def test_activation_checkpointing_gives_the_same_loss(tmp_path, micro_dataset, fp32_losses, mode):
+    in_process(tmp_path / "ac", micro_dataset, f"train.activation_checkpoint={mode}")
+    assert rel_close(step_losses(tmp_path / "ac"), fp32_losses, 1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [("bf16", 0.02), ("fp16", 0.01)])
+def test_low_precision_tracks_fp32(tmp_path, micro_dataset, fp32_losses, dtype, tol, caplog):
+    from hardy.ops.matmul_probe import has_fast_bf16
+
+    with caplog.at_level(logging.WARNING):
+        in_process(tmp_path / dtype, micro_dataset, f"precision.dtype={dtype}")
+    losses = step_losses(tmp_path / dtype)
+    assert abs(losses[-1] - fp32_losses[-1]) <= tol * fp32_losses[-1], (losses[-1], fp32_losses[-1])
+    assert losses[-1] < losses[0]
+    warned = "without native bf16" in caplog.text
+    assert warned == (not has_fast_bf16(torch.device("cpu")))
+
+
+def test_bf16_detection_reads_cpu_flags(monkeypatch):
+    import builtins
+    import io
+
+    from hardy.ops import matmul_probe
+
+    real_open = builtins.open
+    for flags, expected in (("fpu avx2 fma", False), ("fpu avx2 avx512_bf16 fma", True), ("fpu amx_bf16 x", True)):
+        monkeypatch.setattr(builtins, "open", lambda p, *a, **k: io.StringIO(f"flags\t: {flags}\n")
+                            if p == "/proc/cpuinfo" else real_open(p, *a, **k))
+        assert matmul_probe.has_fast_bf16(torch.device("cpu")) is expected
+
+
+def test_reduce_dtype_bf16_is_accepted(tmp_path, micro_dataset, fp32_losses):
+    in_process(tmp_path / "red", micro_dataset, "precision.reduce_dtype=bf16")
+    # Single process: nothing is reduced, so the result equals fp32.
+    assert step_losses(tmp_path / "red") == fp32_losses
+
+
+def test_grad_clipping_uses_the_global_norm(tmp_path, micro_dataset):
+    in_process(tmp_path / "clip", micro_dataset, "optim.grad_clip=0.05", "train.steps=3")
+    in_process(tmp_path / "noclip", micro_dataset, "optim.grad_clip=0", "train.steps=3")
+    clipped, free = step_losses(tmp_path / "clip"), step_losses(tmp_path / "noclip")
+    assert clipped[0] == free[0] and clipped[2] != free[2]
+
+
+def test_fused_linear_cross_entropy_matches_reference():
+    import hardy.model.loss as L
+
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    old, L._MAX_CHUNK_ELEMENTS = L._MAX_CHUNK_ELEMENTS, 300  # several chunks
+    try:
+        ours = L.linear_cross_entropy(h, w, t)
+        gh, gw = torch.autograd.grad(ours * 3.0, (h, w))
+    finally:
+        L._MAX_CHUNK_ELEMENTS = old
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), t)
+    rh, rw = torch.autograd.grad(ref * 3.0, (h, w))
+    assert abs(ours.item() - ref.item()) < 1e-6
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_scaler_backs_off_and_grows():
+    from hardy.train.precision import LossScaler
+
+    s = LossScaler(True, init_scale=1024.0, growth_interval=2)
+    s.update(overflow=True)
+    assert s.scale == 512.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 1024.0
+    assert LossScaler(False).scale == 1.0
+
+
+def test_global_grad_norm_matches_torch():
+    from hardy.parallel.grads import global_grad_norm
+
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    expected = torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
+    assert abs(global_grad_norm(params) - expected) < 1e-5
+
+
+def test_torch_compile_matches_eager(tmp_path, micro_dataset):
+    in_process(tmp_path / "eager", micro_dataset, "train.steps=3")
+    in_process(tmp_path / "compiled", micro_dataset, "train.steps=3", "train.compile=true")
+    assert rel_close(step_losses(tmp_path / "compiled"), step_losses(tmp_path / "eager"), 1e-4)
