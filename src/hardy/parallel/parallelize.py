@@ -87,6 +87,23 @@ def fsdp_mesh(mesh, dims: ParallelDims):
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
+def low_precision_allreduce_hook(dtype: torch.dtype):
+    """DDP comm hook: all-reduce gradient buckets in `dtype` (works on gloo and NCCL alike)."""
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
+        fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut):
+            out = bucket.buffer()
+            out.copy_(fut.value()[0])
+            return out
+
+        return fut.then(decompress)
+
+    return hook
+
+
 def wrap_ddp(model: nn.Module, mesh, reduce_dtype: torch.dtype) -> nn.Module:
     import warnings
 
@@ -97,10 +114,7 @@ def wrap_ddp(model: nn.Module, mesh, reduce_dtype: torch.dtype) -> nn.Module:
         ddp = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
                                       broadcast_buffers=False, gradient_as_bucket_view=True)
     if reduce_dtype != torch.float32:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hook = default_hooks.bf16_compress_hook if reduce_dtype == torch.bfloat16 else default_hooks.fp16_compress_hook
-        ddp.register_comm_hook(mesh["dp_replicate"].get_group(), hook)
+        ddp.register_comm_hook(mesh["dp_replicate"].get_group(), low_precision_allreduce_hook(reduce_dtype))
     return ddp
 
 

@@ -107,7 +107,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     o = cfg.optim
     optimizer = torch.optim.AdamW(
         [{"params": ps, "weight_decay": o.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)  # default kernel: per-tensor on CPU (no big temporaries)
     total, warmup = cfg.train.steps, o.warmup_steps
 
     def lr_factor(step: int) -> float:
