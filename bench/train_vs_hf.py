@@ -68,11 +68,11 @@ def prepare(shape: str, root: Path) -> Path:
     return out
 
 
-def run_hardy(shape, data, args, root, ac: str) -> dict:
+def run_hardy(shape, data, args, root, ac: str, compile: bool = False) -> dict:
     run_dir = Path(tempfile.mkdtemp(dir=root))
     sets = [f"model.preset={shape}", f"data.path={data}", f"data.seq_len={args.seq_len}",
             f"train.micro_batch={args.micro_batch}", f"train.steps={args.steps}", f"train.threads={args.threads}",
-            f"train.activation_checkpoint={ac}", "checkpoint.at_end=false", "log.progress=false",
+            f"train.activation_checkpoint={ac}", f"train.compile={str(compile).lower()}", "checkpoint.at_end=false", "log.progress=false",
             "optim.lr=1e-4", "optim.warmup_steps=0", "train.deterministic=false"]
     cmd = [sys.executable, "-m", "hardy", "train", "--run-dir", str(run_dir)]
     for s in sets:
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--compile", action="store_true", help="also run hardy with train.compile = true")
     args = ap.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="hardy-bench-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -115,6 +116,8 @@ def main() -> None:
         results["hardy"].append(h)
         results["transformers"].append(run_hf(h["model"], data, args))
         results["hardy (AC full)"].append(run_hardy(args.shape, data, args, root, "full"))
+        if args.compile:
+            results.setdefault("hardy (compiled)", []).append(run_hardy(args.shape, data, args, root, "none", True))
     print(f"{args.shape}: batch {args.micro_batch} x {args.seq_len}, fp32, {args.threads} threads, {args.steps} steps "
           f"(median after {WARMUP} warm-up), {args.repeats} repeat(s)")
     base = results["transformers"]

@@ -25,17 +25,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             h = hidden[start:start + chunk]
             t = targets[start:start + chunk]
-            logits = (h @ w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            logp = torch.log_softmax((h @ w.t()).float(), dim=-1)  # one fused pass over the chunk
+            total -= logp.gather(1, t[:, None]).sum()
             if need_grad:
-                g = torch.softmax(logits, dim=-1)  # d(mean loss)/d(logits) = (softmax - one_hot) / n
+                g = logp.exp_()  # softmax, in place; d(sum loss)/d(logits) = softmax - one_hot
                 g[torch.arange(len(t), device=t.device), t] -= 1.0
-                g /= n
                 g = g.to(hidden.dtype)
                 grad_h[start:start + chunk] = g @ w
                 grad_w += (g.t() @ h).float()
-        if need_grad:
+        if need_grad:  # the 1/n of the mean, applied to the small results rather than the logits
+            grad_h /= n
+            grad_w /= n
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n
 

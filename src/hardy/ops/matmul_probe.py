@@ -15,7 +15,7 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.devic
     device = torch.device(device)
     if size is None:
         # Size to the hardware: without native bf16/fp16 a CPU matmul in those types is ~100x slower.
-        size = 4096 if device.type == "cuda" else (1024 if dtype == torch.float32 else 256)
+        size = 4096 if device.type == "cuda" else (2048 if dtype == torch.float32 else 256)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     a @ b  # warm-up
