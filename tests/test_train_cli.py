@@ -90,3 +90,22 @@ def test_checkpoint_layout_and_export_of_a_run(tmp_path, micro_dataset):
         assert torch.equal(exported.model(x), from_run.model(x))
     gen = run_hardy("generate", "--model", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "5")
     assert gen.returncode == 0, gen.stderr
+
+
+def test_fine_tuning_starts_from_the_imported_weights(tmp_path, smollm2):
+    from hardy.data.loader import PackedLoader
+    from hardy.data.prepare import load_split, prepare
+    from hardy.data.text import read_text
+
+    src = tmp_path / "wiki.txt"
+    src.write_text(read_text("wikitext2-valid")[:60_000])
+    prepare([str(src)], "smollm2", tmp_path / "ds", seed=0)
+    run = tmp_path / "ft"
+    in_process(run, tmp_path / "ds", "model.init_from=smollm2-135m", "data.seq_len=32", "train.micro_batch=1",
+               "train.steps=2", "optim.lr=1e-5")
+    first = step_losses(run)[0]
+    x, y = PackedLoader(load_split(tmp_path / "ds", "train"), 32, 1, seed=1234).next_batch()  # train.seed
+    with torch.no_grad():
+        expected = smollm2.model(x, targets=y).item()
+    assert abs(first - expected) <= 1e-5 * expected
+    assert first < 6  # a pretrained model, not a random one (~10.8 = ln 49152)

@@ -11,6 +11,8 @@ def register(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (repeatable)")
     p.add_argument("--run-dir", default=None, help="where the run writes everything (default runs/<config name>)")
+    p.add_argument("--resume", default=None, help="auto (newest complete checkpoint, the default), never, or a "
+                                                  "checkpoint directory; same as --set checkpoint.resume=...")
     p.set_defaults(func=run_train)
 
     lp = sub.add_parser("launch", help="run `hardy train` on N local processes with torchrun's elastic agent")
@@ -30,7 +32,8 @@ def run_train(args) -> int:
     from hardy.train.config import load_config
     from hardy.train.trainer import train
 
-    cfg = load_config(args.config, args.set)
+    overrides = list(args.set) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    cfg = load_config(args.config, overrides)
     summary = train(cfg, Path(args.run_dir) if args.run_dir else default_run_dir(args.config))
     return 0 if summary.steps else 1
 

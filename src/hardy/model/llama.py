@@ -102,10 +102,9 @@ class Attention(nn.Module):
                 # Prefill that continues an existing cache: query i sees keys up to start_pos + i.
                 mask = torch.ones(s, start_pos + s, dtype=torch.bool, device=x.device).tril(start_pos)
                 causal = False
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        # GQA inside the kernel: no repeated copies of K/V (and none to sum back in backward).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -170,7 +169,7 @@ class Transformer(nn.Module):
         """Initialize every parameter and buffer in place (after `to_empty()` on a meta model)."""
         self.tie_weights()
         params = dict(self.named_parameters())
-        for name, value in list(self.initial_state(seed, std)):
+        for name, value in self.initial_state(seed, std):
             params[name].copy_(value)
         self.reset_rope()
 

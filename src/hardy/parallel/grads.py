@@ -14,6 +14,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def _sq_norm(t: torch.Tensor) -> torch.Tensor:
+    # The norm is computed in the tensor's own precision (no full-size float64 copy of a 100 MB
+    # gradient); only the per-tensor results are accumulated in float64.
+    return torch.linalg.vector_norm(t).double().cpu() ** 2
+
+
 def global_grad_norm(params) -> float:
     plain = torch.zeros((), dtype=torch.float64)
     groups: dict = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
@@ -25,10 +31,9 @@ def global_grad_norm(params) -> float:
         if isinstance(g, DTensor):
             key = (id(g.device_mesh), tuple(g.placements))
             meshes[key] = (g.device_mesh, g.placements)
-            local = g.to_local()
-            groups[key] = groups[key] + local.double().pow(2).sum().cpu()
+            groups[key] = groups[key] + _sq_norm(g.to_local())
         else:
-            plain += g.detach().double().pow(2).sum().cpu()
+            plain += _sq_norm(g.detach())
     total = plain.item()
     for key, sq in groups.items():
         mesh, placements = meshes[key]

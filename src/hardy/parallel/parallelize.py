@@ -126,19 +126,27 @@ def clean_name(name: str) -> str:
 
 
 @torch.no_grad()
-def assign_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into parameters that may be DTensor shards; all must be covered."""
+def assign_full_state(model: nn.Module, full) -> None:
+    """Copy full (unsharded) tensors into parameters that may be DTensor shards; all must be covered.
+
+    `full` is a dict or an iterable of (name, tensor) pairs, consumed one tensor at a time so a
+    fresh initialization never holds a second copy of the whole model.
+    """
     params = {clean_name(n): p for n, p in model.named_parameters()}
-    values = {clean_name(n): v for n, v in full.items()}
-    missing = sorted(set(params) - set(values))
-    if missing:
-        raise HardyError(f"no initial value for parameter(s) {', '.join(missing[:3])}")
-    for name, p in params.items():
-        value = values[name]
+    done = set()
+    for name, value in (full.items() if isinstance(full, dict) else full):
+        name = clean_name(name)
+        p = params.get(name)
+        if p is None:
+            continue
         if isinstance(p, DTensor):
             p.copy_(distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements))
         else:
             p.copy_(value.to(p.dtype))
+        done.add(name)
+    missing = sorted(set(params) - done)
+    if missing:
+        raise HardyError(f"no initial value for parameter(s) {', '.join(missing[:3])}")
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, materialize, *, ac: str = "none",

@@ -158,7 +158,7 @@ class Trainer:
         self.mesh = build_mesh(self.dims, self.env.device.type)
 
         def materialize(m):
-            values = pretrained if pretrained is not None else dict(m.initial_state(cfg.train.seed))
+            values = pretrained if pretrained is not None else m.initial_state(cfg.train.seed)
             assign_full_state(m, values)
             m.reset_rope(cfg.data.seq_len)
 
