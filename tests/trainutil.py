@@ -18,16 +18,20 @@ def step_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if r["event"] == "step"]
 
 
-def launch(run_dir: Path, dataset: Path, nproc: int, *sets: str, threads: int = 1, timeout: float = 240):
-    """Run `hardy train` (nproc == 1) or `hardy launch` (torchrun's elastic agent) in subprocesses."""
+def launch(run_dir: Path, dataset: Path, nproc: int, *sets: str, threads: int = 1, timeout: float = 240,
+           max_restarts: int | None = None):
+    """Run `hardy train` (nproc == 1) or `hardy launch` (torchrun's elastic agent) in subprocesses.
+
+    With `max_restarts`, even one process goes through `hardy launch`, so the elastic agent restarts it.
+    """
     overrides = [*BASE, f"data.path={dataset}", f"train.threads={threads}", *sets]
     args = [arg for s in overrides for arg in ("--set", s)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    if nproc == 1:
+    if nproc == 1 and max_restarts is None:
         cmd = [sys.executable, "-m", "hardy", "train", "--run-dir", str(run_dir), *args]
     else:
-        cmd = [sys.executable, "-m", "hardy", "launch", "--nproc", str(nproc), "--run-dir", str(run_dir),
-               _empty_config(run_dir.parent), *args]
+        cmd = [sys.executable, "-m", "hardy", "launch", "--nproc", str(nproc), "--max-restarts",
+               str(max_restarts or 0), "--run-dir", str(run_dir), _empty_config(run_dir.parent), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

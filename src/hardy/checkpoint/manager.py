@@ -132,7 +132,8 @@ class CheckpointManager:
         dist.broadcast(t, src=0)
         return int(t.item())
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict) -> Path:
+    def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, written=None) -> Path:
+        """Collective: every rank calls it. `written()` runs once this rank's files are on disk."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -151,6 +152,8 @@ class CheckpointManager:
         write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state)
         if self.rank == 0:
             write_json_atomic(partial / TRAINER, trainer_state)
+        if written is not None:
+            written()
         barrier()
         if self.rank == 0:
             write_manifest(partial)

@@ -123,19 +123,46 @@ class PrecisionSection:
 
 @dataclass
 class CheckpointSection:
-    interval: int = 0  # steps between checkpoints; 0 = only at the end
+    interval: int | str = 0  # steps between checkpoints; 0 = only at the end; "auto" = Young/Daly optimum
+    interval_seconds: float = 0.0  # or: every T seconds of training (0 = off)
     keep: int = 3
     resume: str = "auto"  # auto | never | a checkpoint directory
     at_end: bool = True
+    async_save: bool = False  # overlap the write with training (DCP async_save)
+    device_mtbf_hours: float = 50700.0  # per device; job MTBF = this / world size (Llama 3 figure)
 
     def __post_init__(self):
-        _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (got {self.interval})")
+        ok = self.interval == "auto" or (isinstance(self.interval, int) and self.interval >= 0)
+        _check(ok, f"checkpoint.interval must be a number of steps >= 0 or \"auto\" (got {self.interval!r})")
+        _check(self.interval_seconds >= 0, f"checkpoint.interval_seconds must be >= 0")
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1 (got {self.keep})")
+        _check(self.device_mtbf_hours > 0, "checkpoint.device_mtbf_hours must be > 0")
 
 
 @dataclass
 class FaultSection:
     skip_nonfinite: bool = True  # a NaN/Inf loss or gradient norm on any rank skips the step on all ranks
+    spike_detection: bool = True  # loss above median + threshold x MAD of the window -> roll back
+    spike_window: int = 50
+    spike_threshold: float = 6.0
+    spike_warmup: int = 50
+    max_rollbacks: int = 3
+    hang_timeout_s: float = 600.0  # no step completed for this long -> dump stacks, exit for a restart; 0 = off
+    startup_timeout_s: float = 1800.0  # the same from process start to the first completed step
+    inject: str = ""  # e.g. "kill@37,kill_in_ckpt@60,nan@50,spike@70,hang@80,corrupt_ckpt@60" (@rankR optional)
+    random_kill_rate: float = 0.0  # probability that a step ends in SIGKILL (simulated failure-prone cluster)
+    random_seed: int = 0
+
+    def __post_init__(self):
+        from hardy.fault.inject import parse_faults
+
+        parse_faults(self.inject)
+        _check(self.spike_window >= 3, "fault.spike_window must be >= 3")
+        _check(self.spike_threshold > 0, "fault.spike_threshold must be > 0")
+        _check(self.spike_warmup >= 0 and self.max_rollbacks >= 0, "fault.spike_warmup and max_rollbacks must be >= 0")
+        _check(self.hang_timeout_s >= 0 and self.startup_timeout_s >= 0,
+               "fault.hang_timeout_s and fault.startup_timeout_s must be >= 0")
+        _check(0 <= self.random_kill_rate < 1, "fault.random_kill_rate must be in [0, 1)")
 
 
 @dataclass
@@ -192,6 +219,11 @@ def _coerce(section: str, key: str, value, annotation):
         if not isinstance(value, str):
             raise HardyError(f"invalid config: {where} must be a string (got {value!r})")
         return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for option in typing.get_args(want):
+            if isinstance(value, option) and not (option is int and isinstance(value, bool)):
+                return value
+        raise HardyError(f"invalid config: {where} has the wrong type (got {value!r})")
     if origin is list:
         if isinstance(value, str):
             value = [value]

@@ -17,7 +17,7 @@ STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_
 
 
 def format_step(m: dict, total_steps: int) -> str:
-    skipped = "  SKIPPED (non-finite)" if m["skipped"] else ""
+    skipped = "  ROLLED BACK (loss spike)" if m.get("spike") else ("  SKIPPED (non-finite)" if m["skipped"] else "")
     mfu = f"{100 * m['mfu']:5.1f}%" if m["mfu"] is not None else "   n/a"
     return (f"step {m['step']:>6}/{total_steps} | loss {m['loss']:8.4f} | gnorm {m['grad_norm']:7.3f} | "
             f"lr {m['lr']:.2e} | {m['tokens_per_s']:>9,.0f} tok/s | mfu {mfu} | "

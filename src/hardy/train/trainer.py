@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,6 +19,10 @@ import torch
 from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state, write_json_atomic
 from hardy.data.loader import PackedLoader
 from hardy.errors import HardyError
+from hardy.fault.goodput import account, format_goodput
+from hardy.fault.inject import FaultInjector, corrupt_file
+from hardy.fault.policy import SpikeDetector, daly_interval
+from hardy.fault.watchdog import Watchdog
 from hardy.model.config import ModelConfig, count_parameters, flops_per_token, get_preset
 from hardy.model.llama import Transformer
 from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
@@ -44,11 +49,13 @@ class RunSummary:
     peak_mem_bytes: int
     skipped_steps: int
     checkpoint: str | None
+    rollbacks: int = 0
 
     def lines(self) -> list[str]:
         return [f"finished {self.steps} steps in {self.wall_s:.1f} s: final loss {self.final_loss:.4f}, "
                 f"{self.tokens:,} tokens ({self.tokens_per_s:,.0f} tokens/s), peak memory "
-                f"{self.peak_mem_bytes / 2**20:.1f} MiB, {self.skipped_steps} skipped step(s)",
+                f"{self.peak_mem_bytes / 2**20:.1f} MiB, {self.skipped_steps} skipped step(s), "
+                f"{self.rollbacks} rollback(s)",
                 f"last checkpoint: {self.checkpoint or 'none'}"]
 
 
@@ -120,8 +127,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+    def __init__(self, cfg: TrainConfig, run_dir: Path, watchdog: Watchdog):
+        self.cfg, self.run_dir, self.watchdog = cfg, Path(run_dir), watchdog
         self.env = D.init_distributed(cfg.parallel.backend)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -130,9 +137,6 @@ class Trainer:
         self.dims = ParallelDims.build(self.env.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
                                        cfg.parallel.tp)
         self.memory = MemoryMeter(self.env.device)
-        if self.env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        D.barrier()
         if cfg.precision.dtype != "fp32" and not has_fast_bf16(self.env.device):
             log.warning("precision.dtype = %s on hardware without native bf16/fp16 matmul (no AVX512-BF16/AMX): "
                         "expect it to run much slower than fp32 (~100x for bf16 matmul on AVX2 CPUs)",
@@ -174,6 +178,11 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
         self.step = 0
         self.skipped = 0
+        self.rollbacks = 0
+        f = cfg.fault
+        self.injector = FaultInjector(f.inject, self.run_dir, self.env.rank, f.random_kill_rate, f.random_seed)
+        self.spikes = SpikeDetector(f.spike_window, f.spike_threshold, f.spike_warmup)
+        self.logger: MetricsLogger | None = None
         self.tokens_per_step = self.dims.dp * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
 
@@ -181,11 +190,31 @@ class Trainer:
 
     def save_checkpoint(self) -> tuple[Path, float]:
         t0 = time.perf_counter()
-        trainer_state = {"step": self.step, "skipped": self.skipped, "scheduler": self.scheduler.state_dict(),
-                         "scaler": self.scaler.state_dict(), "config": self.resolved}
+        trainer_state = {"step": self.step, "skipped": self.skipped, "rollbacks": self.rollbacks,
+                         "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                         "spikes": self.spikes.state_dict(), "config": self.resolved}
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict()}
-        path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state)
+
+        def written():  # DCP files are on disk, COMPLETE is not: the worst moment to die
+            if self.injector.due("kill_in_ckpt", self.step):
+                self.injector.kill()
+
+        path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state, written)
+        if self.env.is_main and self.injector.due("corrupt_ckpt", self.step):
+            damaged = corrupt_file(path)
+            log.info("fault injection: damaged %s", damaged)
         return path, time.perf_counter() - t0
+
+    def restore(self, path: Path) -> None:
+        trainer_state, rank_state = self.ckpt.load(path, self.model, self.optimizer)
+        self.step, self.skipped = int(trainer_state["step"]), int(trainer_state.get("skipped", 0))
+        self.rollbacks = int(trainer_state.get("rollbacks", 0))
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.scaler.load_state_dict(trainer_state["scaler"])
+        if "spikes" in trainer_state:
+            self.spikes.load_state_dict(trainer_state["spikes"])
+        self.loader.load_state_dict(rank_state["loader"])
+        set_rng_state(rank_state["rng"])
 
     def maybe_resume(self) -> Path | None:
         mode = self.cfg.checkpoint.resume
@@ -197,13 +226,31 @@ class Trainer:
         path = self.ckpt.find_resumable(explicit)
         if path is None:
             return None
-        trainer_state, rank_state = self.ckpt.load(path, self.model, self.optimizer)
-        self.step, self.skipped = int(trainer_state["step"]), int(trainer_state.get("skipped", 0))
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
-        self.scaler.load_state_dict(trainer_state["scaler"])
-        self.loader.load_state_dict(rank_state["loader"])
-        set_rng_state(rank_state["rng"])
+        self.restore(path)
         return path
+
+    def rollback(self, spike_loss: float) -> None:
+        """PaLM practice: back to the last good checkpoint, and skip the batches since then."""
+        cfg = self.cfg.fault
+        bad_step, position = self.step, self.loader.consumed
+        self.rollbacks += 1
+        if self.rollbacks > cfg.max_rollbacks:
+            raise HardyError(f"loss spike at step {bad_step} (loss {spike_loss:.4f}) after {cfg.max_rollbacks} "
+                             "rollback(s); stopping: lower the learning rate or inspect the data near this step")
+        path = self.ckpt.find_resumable()
+        rollbacks = self.rollbacks
+        if path is not None:
+            self.restore(path)
+        self.rollbacks = rollbacks
+        skipped_batches = position - self.loader.consumed
+        self.loader.consumed = position  # the offending batches are not seen again
+        self.optimizer.zero_grad(set_to_none=True)
+        event = {"from_step": bad_step, "to_step": self.step, "loss": spike_loss, "skipped_batches": skipped_batches,
+                 "checkpoint": str(path) if path else None, "rollbacks": self.rollbacks}
+        if self.logger is not None:
+            self.logger.event("rollback", **event)
+            self.logger.print(f"loss spike at step {bad_step} ({spike_loss:.4f}): rolled back to step {self.step}, "
+                              f"skipping {skipped_batches} micro-batch(es) per rank")
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -212,12 +259,20 @@ class Trainer:
         accum = cfg.train.grad_accum
         loss_sum = torch.zeros((), dtype=torch.float64)
         t0 = time.perf_counter()
+        step = self.step + 1
+        if self.injector.due("hang", step):
+            self.injector.hang()
+        inject_nan, inject_spike = self.injector.due("nan", step), self.injector.due("spike", step)
         for micro in range(accum):
             inputs, targets = self.loader.next_batch()
             inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
             with grad_sync_context(self.model, micro == accum - 1):
                 with autocast_context(self.env.device, cfg.precision.dtype, self.dims.uses_fsdp):
                     loss = self.model(inputs, targets=targets)
+                if inject_nan:
+                    loss = loss * float("nan")
+                if inject_spike:
+                    loss = loss * 20.0  # its gradients are 20x too: the update must not be applied
                 (loss * (self.scaler.scale / accum)).backward()
             loss_sum += loss.detach().double().cpu()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -229,9 +284,18 @@ class Trainer:
         if bad and not skip:
             raise HardyError(f"non-finite loss or gradient at step {self.step + 1} (fault.skip_nonfinite = false)")
         lr = self.scheduler.get_last_lr()[0]
+        spike = (not bad and cfg.fault.spike_detection and self.spikes.is_spike(mean_loss))
+        if spike:
+            dt = time.perf_counter() - t0
+            self.step += 1
+            record = {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
+                      "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
+                      "step_time_s": dt, "skipped": True, "loss_scale": self.scaler.scale, "spike": True}
+            return record
         if skip:
             self.skipped += 1
         else:
+            self.spikes.observe(mean_loss)
             factor = 1.0 / self.scaler.scale
             if cfg.optim.grad_clip and grad_norm > cfg.optim.grad_clip:
                 factor *= cfg.optim.grad_clip / (grad_norm + 1e-6)
@@ -245,16 +309,32 @@ class Trainer:
             self.scheduler.step()  # the schedule follows steps taken, skipped or not, so resume is exact
         self.step += 1
         dt = time.perf_counter() - t0
+        if self.injector.due("kill", self.step) or self.injector.random_kill_due(self.step):
+            self.injector.kill()
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
                 "step_time_s": dt, "skipped": bool(skip), "loss_scale": self.scaler.scale}
+
+    def checkpoint_due(self, since_last: float, last_stall: float | None) -> bool:
+        """Every N steps, every T seconds, or "auto": the Young/Daly optimum for this job's MTBF."""
+        c = self.cfg.checkpoint
+        if self.step >= self.cfg.train.steps:
+            return False  # the final save is at_end's business
+        if c.interval == "auto":
+            if last_stall is None:
+                return True  # one save early on measures the stall the optimum depends on
+            mtbf_s = c.device_mtbf_hours * 3600 / self.env.world_size
+            return since_last >= daly_interval(max(last_stall, 1e-3), mtbf_s)
+        if c.interval and self.step % c.interval == 0:
+            return True
+        return bool(c.interval_seconds) and since_last >= c.interval_seconds
 
     def run(self) -> RunSummary:
         cfg = self.cfg
         resumed = self.maybe_resume()
         main = self.env.is_main
-        logger = MetricsLogger(self.run_dir, cfg.train.steps, self.step, main, cfg.log.every, cfg.log.jsonl,
-                               cfg.log.tensorboard, cfg.log.progress)
+        logger = self.logger = MetricsLogger(self.run_dir, cfg.train.steps, self.step, main, cfg.log.every,
+                                             cfg.log.jsonl, cfg.log.tensorboard, cfg.log.progress)
         peak = measure_matmul_flops(DTYPES[cfg.precision.dtype], self.env.device) * self.env.world_size if main else None
         counts = count_parameters(self.model_cfg)
         logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {self.dims.describe()}, "
@@ -262,23 +342,34 @@ class Trainer:
                      + (f", resumed from {resumed.name}" if resumed else ""))
         logger.event("start", step=self.step, config=self.resolved, peak_flops=peak,
                      flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None)
+        watchdog = self.watchdog
         t_start = time.perf_counter()
-        steps_run, last_loss, last_ckpt, stall = 0, float("nan"), str(resumed) if resumed else None, 0.0
+        last_save, last_stall = time.perf_counter(), None
+        steps_run, last_loss, last_ckpt = 0, float("nan"), str(resumed) if resumed else None
         try:
             while self.step < cfg.train.steps:
                 m = self.train_step()
                 steps_run += 1
+                watchdog.beat(cfg.fault.hang_timeout_s)  # after the first step: the per-step timeout
+                if m.get("spike"):
+                    m.update(ckpt_stall_s=0.0, mfu=None, peak_mem_bytes=self.memory.peak_bytes())
+                    logger.step(m)
+                    self.rollback(m["loss"])
+                    watchdog.beat()
+                    continue
                 if not m["skipped"]:
                     last_loss = m["loss"]
                 stall = 0.0
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 and self.step < cfg.train.steps:
+                if self.checkpoint_due(time.perf_counter() - last_save, last_stall):
                     path, stall = self.save_checkpoint()
-                    last_ckpt = str(path)
+                    last_save, last_stall, last_ckpt = time.perf_counter(), stall, str(path)
                     logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
+                    watchdog.beat()
                 m["ckpt_stall_s"] = stall
                 m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / peak) if peak else None
                 m["peak_mem_bytes"] = self.memory.peak_bytes()
                 logger.step(m)
+            watchdog.stop()
             if cfg.checkpoint.at_end and steps_run:
                 path, stall = self.save_checkpoint()
                 last_ckpt = str(path)
@@ -287,22 +378,29 @@ class Trainer:
             summary = RunSummary(steps=self.step, final_loss=last_loss, tokens=steps_run * self.tokens_per_step,
                                  wall_s=wall, tokens_per_s=steps_run * self.tokens_per_step / wall if wall else 0.0,
                                  peak_mem_bytes=self.memory.peak_bytes(), skipped_steps=self.skipped,
-                                 checkpoint=last_ckpt)
-            logger.event("end", **summary.__dict__)
-            for line in summary.lines():
+                                 checkpoint=last_ckpt, rollbacks=self.rollbacks)
+            goodput = account(self.run_dir, now=time.time()) if main else {}
+            logger.event("end", **summary.__dict__, goodput=goodput)
+            for line in summary.lines() + format_goodput(goodput):
                 logger.print(line)
             if main:
-                write_json_atomic(self.run_dir / "summary.json", summary.__dict__)
+                write_json_atomic(self.run_dir / "summary.json", {**summary.__dict__, "goodput": goodput})
             return summary
         finally:
+            watchdog.stop()
             logger.close()
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> RunSummary:
-    trainer = Trainer(cfg, run_dir)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Armed from the very start: a rendezvous or collective that never completes during start-up
+    # is a hang like any other, and the launcher can only restart a process that exits.
+    watchdog = Watchdog(run_dir, int(os.environ.get("RANK", "0")), cfg.fault.startup_timeout_s).start()
     try:
-        return trainer.run()
+        return Trainer(cfg, run_dir, watchdog).run()
     finally:
+        watchdog.stop()
         D.destroy()
 
 

@@ -1,0 +1,154 @@
+"""Fault tolerance on CPU/gloo: exact resume after kills, damaged checkpoints, NaN, spikes, hangs."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from trainutil import launch, step_losses
+
+LAYOUTS = {"single": (1, ()), "ddp2": (2, ()), "fsdp2": (2, ("parallel.dp_shard=2",))}
+# A start-up/step watchdog turns any stuck rendezvous after a kill into one more restart.
+COMMON = ("train.steps=12", "checkpoint.interval=4", "checkpoint.at_end=true", "checkpoint.keep=5",
+          "fault.startup_timeout_s=30", "fault.hang_timeout_s=30")
+KILL_STEP = random.Random(2024).randint(5, 11)  # a seeded random step between checkpoints
+
+
+def training_state(ckpt_dir):
+    """Full (unsharded) model and optimizer tensors of a checkpoint, loaded through DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hardy.checkpoint.manager import verify_manifest
+    from hardy.model.config import ModelConfig
+    from hardy.model.llama import Transformer
+    from hardy.train.config import config_from_dict
+    from hardy.train.trainer import make_optimizer
+
+    verify_manifest(ckpt_dir)
+    trainer = json.loads((ckpt_dir / "trainer.json").read_text())
+    model = Transformer(ModelConfig.from_dict(trainer["config"]["resolved"]["model"]))
+    cfg = config_from_dict({k: v for k, v in trainer["config"].items() if k != "resolved"})
+    optimizer, _ = make_optimizer(model, cfg)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for key, per_param in state["optim"]["state"].items():
+        for name, value in per_param.items():
+            flat[f"optim.{key}.{name}"] = value
+    return flat
+
+
+def assert_bitwise_equal(a_dir, b_dir):
+    a, b = training_state(a_dir), training_state(b_dir)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory, micro_dataset):
+    root = tmp_path_factory.mktemp("fault_base")
+    done = {}
+
+    def get(layout):
+        if layout not in done:
+            nproc, sets = LAYOUTS[layout]
+            launch(root / layout, micro_dataset, nproc, *COMMON, *sets)
+            done[layout] = root / layout / "checkpoints" / "step_00000012"
+        return done[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("fault", [f"kill@{KILL_STEP}", "kill_in_ckpt@8"])
+def test_killed_run_resumes_bitwise(tmp_path, micro_dataset, baselines, layout, fault):
+    nproc, sets = LAYOUTS[layout]
+    run = tmp_path / "run"
+    proc = launch(run, micro_dataset, nproc, *COMMON, *sets, f'fault.inject="{fault}"', max_restarts=3)
+    assert "resumed from step_" in proc.stdout
+    fired = json.loads((run / "faults_fired.json").read_text())
+    assert len(fired) == 1 and fired[0].startswith(fault.split("@")[0] + "@")
+    if fault.startswith("kill_in_ckpt"):
+        # the interrupted save left no COMPLETE checkpoint behind: the restart used step 4
+        assert "resumed from step_00000004" in proc.stdout
+    assert_bitwise_equal(run / "checkpoints" / "step_00000012", baselines(layout))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["goodput"]["restarts"] >= 1 and summary["goodput"]["losses_s"]["restarts"] > 0
+
+
+def test_corrupted_newest_checkpoint_falls_back_with_a_warning(tmp_path, micro_dataset, baselines):
+    run = tmp_path / "run"
+    proc = launch(run, micro_dataset, 1, *COMMON, 'fault.inject="corrupt_ckpt@8,kill@10"', max_restarts=2)
+    out = proc.stdout + proc.stderr
+    assert "skipping damaged checkpoint step_00000008" in out and "__0_0.distcp" in out
+    assert "resumed from step_00000004" in out
+    assert_bitwise_equal(run / "checkpoints" / "step_00000012", baselines("single"))
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path, micro_dataset):
+    run = tmp_path / "run"
+    launch(run, micro_dataset, 1, "train.steps=8", "checkpoint.interval=4", "checkpoint.at_end=true")
+    newest = run / "checkpoints" / "step_00000008" / "__0_0.distcp"
+    newest.write_bytes(newest.read_bytes()[:100])
+    proc = launch(run, micro_dataset, 1, "train.steps=10", "checkpoint.interval=4")
+    out = proc.stdout + proc.stderr
+    assert "skipping damaged checkpoint step_00000008" in out and "truncated" in out
+    assert "resumed from step_00000004" in out
+
+
+def test_nan_is_skipped_and_training_continues(tmp_path, micro_dataset):
+    run = tmp_path / "run"
+    launch(run, micro_dataset, 2, "train.steps=8", 'fault.inject="nan@4@rank1"')
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["skipped"] for r in steps] == [False] * 3 + [True] + [False] * 4  # NaN on rank 1 skips everywhere
+    assert all(r["loss"] is not None for r in steps if not r["skipped"])
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == 1
+
+
+def test_loss_spike_rolls_back_and_skips_batches(tmp_path, micro_dataset):
+    run = tmp_path / "run"
+    launch(run, micro_dataset, 1, "train.steps=16", "checkpoint.interval=5", 'fault.inject="spike@12"',
+           "fault.spike_warmup=5", "fault.spike_window=10")
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rollback = [r for r in records if r["event"] == "rollback"]
+    assert len(rollback) == 1
+    assert rollback[0]["from_step"] == 12 and rollback[0]["to_step"] == 10 and rollback[0]["skipped_batches"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rollbacks"] == 1 and summary["steps"] == 16
+    assert summary["goodput"]["losses_s"]["rollbacks"] > 0
+
+
+def test_persistent_spikes_stop_with_a_clear_message(tmp_path, micro_dataset):
+    with pytest.raises(AssertionError, match="after 0 rollback"):
+        launch(tmp_path / "run", micro_dataset, 1, "train.steps=16", 'fault.inject="spike@12"',
+               "fault.spike_warmup=5", "fault.spike_window=10", "fault.max_rollbacks=0")
+
+
+def test_hang_dumps_stacks_and_the_launcher_restarts(tmp_path, micro_dataset):
+    run = tmp_path / "run"
+    proc = launch(run, micro_dataset, 1, "train.steps=10", "checkpoint.interval=3", 'fault.inject="hang@6"',
+                  "fault.hang_timeout_s=2", max_restarts=1)
+    dumps = list((run / "stacks").glob("hang-*-rank0.txt"))
+    assert len(dumps) == 1
+    text = dumps[0].read_text()
+    assert "no step completed" in text and "in hang" in text and "train_step" in text
+    assert "resumed from step_00000003" in proc.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["goodput"]["losses_s"]["hang_detect"] >= 2
+
+
+def test_auto_interval_checkpoints_by_young_daly(tmp_path, micro_dataset):
+    run = tmp_path / "run"
+    # a 0.2-second job MTBF makes the optimum interval about 0.1 s: a save every few micro steps
+    launch(run, micro_dataset, 1, "train.steps=60", "checkpoint.interval=auto",
+           f"checkpoint.device_mtbf_hours={0.2 / 3600}", "checkpoint.keep=100", "checkpoint.at_end=false")
+    saves = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in saves if r["event"] == "checkpoint"]
+    assert saves[0]["step"] == 1 and len(saves) >= 3
