@@ -39,9 +39,26 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout,
+                                store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
                                 device_id=device if use_cuda else None)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta):
+    """torchrun's store, with keys private to this restart attempt.
+
+    The elastic agent can hand every restart the same store; the process group's address keys
+    left by the previous (killed) attempt would then be read by the new one, which dials dead
+    ports and fails or stalls. A per-attempt prefix gives every restart a clean namespace.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "localhost"), int(os.environ["MASTER_PORT"]), world,
+                          is_master=(not agent_store and rank == 0), timeout=timeout,
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"hardy/attempt_{attempt}/", store)
 
 
 def barrier() -> None:

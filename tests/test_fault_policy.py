@@ -1,0 +1,66 @@
+"""Checkpoint-interval and goodput formulas against worked examples; the event-log accounting."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hardy.fault.goodput import account
+from hardy.fault.inject import parse_faults
+from hardy.fault.policy import (DEFAULT_DEVICE_MTBF_HOURS, SpikeDetector, daly_interval, expected_goodput,
+                                young_interval)
+from hardy.errors import HardyError
+
+
+def test_daly_worked_examples():
+    # Daly (2006): M = 24 h, delta = 5 min -> 117 min; M = 6 h -> 57 min.
+    assert daly_interval(5, 24 * 60) == pytest.approx(117, abs=0.5)
+    assert daly_interval(5, 6 * 60) == pytest.approx(57, abs=0.5)
+    assert young_interval(5, 24 * 60) == pytest.approx((2 * 5 * 24 * 60) ** 0.5)
+    assert daly_interval(10, 4) == 4  # delta >= 2M: checkpointing cannot help, T = M
+
+
+def test_first_order_goodput():
+    # T = 60, delta = 1, M = 3600, R = 30: 1 - 1/60 - (30 + 30)/3600
+    assert expected_goodput(60, 1, 3600, 30) == pytest.approx(1 - 1 / 60 - 60 / 3600)
+
+
+def test_default_mtbf_is_the_llama3_rate():
+    assert DEFAULT_DEVICE_MTBF_HOURS == pytest.approx(50_700, rel=0.01)
+    assert 1 / DEFAULT_DEVICE_MTBF_HOURS == pytest.approx(1.97e-5, rel=0.01)
+
+
+def test_spike_detector_median_mad():
+    d = SpikeDetector(window=10, threshold=6.0, warmup=5)
+    for x in [2.0, 2.1, 1.9, 2.05, 1.95, 2.0]:
+        assert not d.is_spike(x)
+        d.observe(x)
+    assert not d.is_spike(2.2)
+    assert d.is_spike(3.0)  # median 2.0, MAD 0.05: threshold 2.3
+
+
+def test_fault_spec_parsing():
+    assert [(f.kind, f.step, f.rank) for f in parse_faults("kill@37,nan@50@rank1")] == [("kill", 37, 0), ("nan", 50, 1)]
+    with pytest.raises(HardyError):
+        parse_faults("explode@3")
+
+
+def test_goodput_accounting_from_events(tmp_path):
+    ev = [
+        {"event": "start", "time": 0.0, "step": 0},
+        *[{"event": "step", "time": float(i), "step": i, "step_time_s": 1.0, "skipped": False} for i in (1, 2, 3)],
+        {"event": "checkpoint", "time": 3.5, "step": 2, "stall_s": 0.5},
+        # crash after step 3; restart resumes from step 2 and redoes step 3
+        {"event": "start", "time": 10.0, "step": 2},
+        {"event": "step", "time": 12.0, "step": 3, "step_time_s": 1.0, "skipped": False},
+        {"event": "step", "time": 13.0, "step": 4, "step_time_s": 1.0, "skipped": True},
+        {"event": "end", "time": 13.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"schema": 1, **e}) for e in ev) + "\n")
+    g = account(tmp_path)
+    assert g["wall_s"] == 13.0 and g["useful_s"] == 3.0 and g["restarts"] == 1
+    assert g["losses_s"]["recomputed"] == 1.0  # the first step 3
+    assert g["losses_s"]["skipped"] == 1.0
+    assert g["losses_s"]["checkpoints"] == 0.5
+    assert g["losses_s"]["restarts"] == pytest.approx(12.0 - 1.0 - 3.5)  # last event 3.5 -> next step start 11
+    assert g["goodput"] == pytest.approx(3 / 13)
