@@ -132,11 +132,19 @@ class CheckpointManager:
         dist.broadcast(t, src=0)
         return int(t.item())
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, written=None) -> Path:
-        """Collective: every rank calls it. `written()` runs once this rank's files are on disk."""
+    def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, written=None,
+             asynchronous: bool = False) -> Path:
+        """Collective: every rank calls it. `written()` runs once this rank's files are on disk
+        (asynchronous: once they are handed to the background writer).
+
+        Synchronous saves are complete on return. Asynchronous ones stage the state in memory, write
+        it in a background thread, and become COMPLETE in `poll()`/`wait()` once every rank's
+        write has finished; one save is in flight at a time.
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self.wait()
         final = self.root / f"step_{step:08d}"
         partial = self.root / f".step_{step:08d}.partial"
         if self.rank == 0:
@@ -146,14 +154,32 @@ class CheckpointManager:
             partial.mkdir()
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+            if asynchronous:
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group())
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
         write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state)
         if self.rank == 0:
             write_json_atomic(partial / TRAINER, trainer_state)
         if written is not None:
             written()
+        if asynchronous:
+            self._pending = (step, partial, final, future)
+            return final
+        self._finalize(step, partial, final)
+        return final
+
+    def _async_group(self):
+        # Background writes run collectives of their own: give them a process group that the
+        # training loop's collectives never share.
+        if dist.is_initialized() and getattr(self, "_group", None) is None:
+            self._group = dist.new_group(backend="gloo")
+        return getattr(self, "_group", None)
+
+    def _finalize(self, step: int, partial: Path, final: Path) -> None:
         barrier()
         if self.rank == 0:
             write_manifest(partial)
@@ -164,6 +190,28 @@ class CheckpointManager:
             fsync_path(final)
             self._prune()
         barrier()
+
+    def poll(self) -> Path | None:
+        """Complete the in-flight asynchronous save if every rank's write is done (collective)."""
+        pending = getattr(self, "_pending", None)
+        if pending is None:
+            return None
+        done = 1.0 if pending[3].done() else 0.0
+        if dist.is_initialized():
+            t = torch.tensor([done], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            done = t.item()
+        return self.wait() if done else None
+
+    def wait(self) -> Path | None:
+        """Block until the in-flight asynchronous save (if any) is written and COMPLETE."""
+        pending = getattr(self, "_pending", None)
+        if pending is None:
+            return None
+        self._pending = None
+        step, partial, final, future = pending
+        future.result()
+        self._finalize(step, partial, final)
         return final
 
     def _prune(self) -> None:

@@ -188,7 +188,7 @@ class Trainer:
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> tuple[Path, float]:
+    def save_checkpoint(self, final: bool = False) -> tuple[Path, float]:
         t0 = time.perf_counter()
         trainer_state = {"step": self.step, "skipped": self.skipped, "rollbacks": self.rollbacks,
                          "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
@@ -199,11 +199,18 @@ class Trainer:
             if self.injector.due("kill_in_ckpt", self.step):
                 self.injector.kill()
 
-        path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state, written)
-        if self.env.is_main and self.injector.due("corrupt_ckpt", self.step):
+        asynchronous = self.cfg.checkpoint.async_save and not final
+        path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state, written, asynchronous)
+        stall = time.perf_counter() - t0
+        if asynchronous:
+            return path, stall  # completed (and possibly damaged by injection) in poll()/wait()
+        self.after_save(path)
+        return path, stall
+
+    def after_save(self, path: Path) -> None:
+        if self.env.is_main and self.injector.due("corrupt_ckpt", int(path.name.split("_")[1])):
             damaged = corrupt_file(path)
             log.info("fault injection: damaged %s", damaged)
-        return path, time.perf_counter() - t0
 
     def restore(self, path: Path) -> None:
         trainer_state, rank_state = self.ckpt.load(path, self.model, self.optimizer)
@@ -232,6 +239,9 @@ class Trainer:
     def rollback(self, spike_loss: float) -> None:
         """PaLM practice: back to the last good checkpoint, and skip the batches since then."""
         cfg = self.cfg.fault
+        completed = self.ckpt.wait()  # the newest checkpoint may still be being written
+        if completed is not None:
+            self.after_save(completed)
         bad_step, position = self.step, self.loader.consumed
         self.rollbacks += 1
         if self.rollbacks > cfg.max_rollbacks:
@@ -351,6 +361,9 @@ class Trainer:
                 m = self.train_step()
                 steps_run += 1
                 watchdog.beat(cfg.fault.hang_timeout_s)  # after the first step: the per-step timeout
+                completed = self.ckpt.poll()  # an asynchronous save whose writes all finished
+                if completed is not None:
+                    self.after_save(completed)
                 if m.get("spike"):
                     m.update(ckpt_stall_s=0.0, mfu=None, peak_mem_bytes=self.memory.peak_bytes())
                     logger.step(m)
@@ -370,8 +383,11 @@ class Trainer:
                 m["peak_mem_bytes"] = self.memory.peak_bytes()
                 logger.step(m)
             watchdog.stop()
+            completed = self.ckpt.wait()
+            if completed is not None:
+                self.after_save(completed)
             if cfg.checkpoint.at_end and steps_run:
-                path, stall = self.save_checkpoint()
+                path, stall = self.save_checkpoint(final=True)
                 last_ckpt = str(path)
                 logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
             wall = time.perf_counter() - t_start
