@@ -163,3 +163,16 @@ def test_async_checkpoints_resume_bitwise(tmp_path, micro_dataset, baselines, la
     # step 8's save completes in the background; whether before the kill or not, the resume is exact
     assert "resumed from step_00000008" in proc.stdout or "resumed from step_00000004" in proc.stdout
     assert_bitwise_equal(run / "checkpoints" / "step_00000012", baselines(layout))
+
+
+def test_spike_before_any_checkpoint_skips_the_step(tmp_path, micro_dataset):
+    run = tmp_path / "run"
+    launch(run, micro_dataset, 1, "train.steps=12", 'fault.inject="spike@9"', "fault.spike_warmup=5",
+           "fault.spike_window=8")
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rollback = [r for r in records if r["event"] == "rollback"][0]
+    assert rollback["checkpoint"] is None and rollback["to_step"] == 9 and rollback["skipped_batches"] == 0
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert steps == list(range(1, 13))  # the schedule and the step counter stay in step
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["rollbacks"] == 1

@@ -251,6 +251,11 @@ class Trainer:
         rollbacks = self.rollbacks
         if path is not None:
             self.restore(path)
+        else:  # nothing to roll back to yet: the spike step counts as skipped, the schedule moves on
+            self.skipped += 1
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
         self.rollbacks = rollbacks
         skipped_batches = position - self.loader.consumed
         self.loader.consumed = position  # the offending batches are not seen again
