@@ -158,7 +158,10 @@ class CheckpointManager:
         with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             if asynchronous:
-                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group())
+                response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group(),
+                                          async_stager=self._stager())
+                future = getattr(response, "upload_completion", response)
+                self._staging = getattr(response, "staging_completion", None)
             else:
                 dcp.save(state, checkpoint_id=str(partial))
         write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state)
@@ -171,6 +174,27 @@ class CheckpointManager:
             return final
         self._finalize(step, partial, final)
         return final
+
+    def _stager(self):
+        """Stage (copy) the state in a background thread too, into buffers reused across saves.
+
+        Training may run forward/backward meanwhile; `staged()` must be called before anything
+        modifies the parameters or optimizer state (the optimizer step, a rollback).
+        """
+        if getattr(self, "_stager_obj", None) is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self._stager_obj = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                            use_async_staging=True, use_non_blocking_copy=cuda))
+        return self._stager_obj
+
+    def staged(self) -> None:
+        """Block until the in-flight asynchronous save has its own copy of the state."""
+        staging = getattr(self, "_staging", None)
+        if staging is not None:
+            staging.result()
+            self._staging = None
 
     def _async_group(self):
         # Background writes run collectives of their own: give them a process group that the
@@ -210,6 +234,7 @@ class CheckpointManager:
             return None
         self._pending = None
         step, partial, final, future = pending
+        self.staged()
         future.result()
         self._finalize(step, partial, final)
         return final

@@ -316,6 +316,7 @@ class Trainer:
                 factor *= cfg.optim.grad_clip / (grad_norm + 1e-6)
             if factor != 1.0:
                 scale_grads(params, factor)
+            self.ckpt.staged()  # an asynchronous save must finish copying before the weights change
             self.optimizer.step()
         self.scaler.update(bad)
         self.optimizer.zero_grad(set_to_none=True)
