@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
 
-from trainutil import launch, step_losses
+from trainutil import launch
 
 LAYOUTS = {"single": (1, ()), "ddp2": (2, ()), "fsdp2": (2, ("parallel.dp_shard=2",))}
 # A start-up/step watchdog turns any stuck rendezvous after a kill into one more restart.

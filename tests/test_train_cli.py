@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_hardy
 from test_cli import assert_one_line_error
-from trainutil import BASE, in_process, step_losses
+from trainutil import in_process, step_losses
 
 
 def train_cli(*args):

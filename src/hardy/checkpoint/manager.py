@@ -14,6 +14,7 @@ directory hardy wrote and only after its manifest verifies.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hardy.errors import HardyError
+from hardy.fsio import fsync_path, write_json_atomic
 from hardy.parallel.distributed import barrier
 
 log = logging.getLogger(__name__)
@@ -35,25 +37,16 @@ MANIFEST, COMPLETE, TRAINER = "manifest.json", "COMPLETE", "trainer.json"
 _STEP_DIR = re.compile(r"step_(\d{8})$")
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Without a process group DCP warns on every save/load that it runs in one process: expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
 class CheckpointCorrupt(Exception):
     pass
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def sha256_file(path: Path) -> str:
@@ -155,8 +148,7 @@ class CheckpointManager:
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        with warnings.catch_warnings():  # single process: DCP warns that it saves without a process group
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        with _quiet_single_process():
             if asynchronous:
                 response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group(),
                                           async_stager=self._stager())
@@ -269,8 +261,7 @@ class CheckpointManager:
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         trainer_state = json.loads((directory / TRAINER).read_text())
@@ -289,8 +280,7 @@ def load_model_weights(directory: Path, model) -> dict:
     except CheckpointCorrupt as e:
         raise HardyError(f"checkpoint {directory} failed verification: {e}") from None
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(directory))
     model.load_state_dict(state["model"])
     return json.loads((directory / TRAINER).read_text())

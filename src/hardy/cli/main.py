@@ -1,6 +1,7 @@
 """`hardy` command line: one subcommand module per concern, user errors as one line + exit 2."""
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 

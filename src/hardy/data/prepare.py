@@ -20,6 +20,7 @@ from hardy.data.clean import FILTERS, CleanConfig, normalize, rejection_reason, 
 from hardy.data.dedup import exact_duplicates, near_duplicates
 from hardy.data.text import resolve_text_path
 from hardy.errors import HardyError
+from hardy.fsio import write_bytes_atomic
 
 INDEX_VERSION = 1
 INDEX_FILE = "index.json"
@@ -110,15 +111,6 @@ def train_bpe(docs: list[str], vocab_size: int):
     return HardyTokenizer(backend=tok, bos_id=eot, eos_id=eot, add_bos=False, pre="gpt2")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, clean: CleanConfig = CleanConfig(),
             near_threshold: float = 0.8, val_fraction: float = 0.05, seed: int = 0,
             shard_tokens: int = 1 << 26) -> PrepareReport:
@@ -174,13 +166,13 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, clean: Cl
         for k, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
             chunk = tokens[start:start + shard_tokens]
             name = f"{split}_{k:05d}.bin"
-            _write_atomic(out / name, chunk.astype("<" + np.dtype(dtype).str[1:]).tobytes())
+            write_bytes_atomic(out / name, chunk.astype("<" + np.dtype(dtype).str[1:]).tobytes())
             shards.append({"file": name, "tokens": int(len(chunk))})
         index["splits"][split] = {"documents": len(split_docs), "tokens": int(len(tokens)), "shards": shards}
         report.tokens[split] = int(len(tokens))
         report.documents_per_split[split] = len(split_docs)
     index["report"] = asdict(report)
-    _write_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())  # completion marker: written last
+    write_bytes_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())  # completion marker: written last
     return report
 
 

@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hardy.errors import HardyError
+from hardy.fsio import fsync_path
 from hardy.formats.names import from_format, to_format
 from hardy.model.config import ModelConfig, RopeScaling
 
@@ -96,11 +97,6 @@ def load_hf_dir(path: str | os.PathLike):
     return cfg, state, tokenizer
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def save_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer, out: str | os.PathLike,
                 dtype: torch.dtype = torch.float32) -> Path:
     """Write atomically: build in a temporary sibling directory, fsync, then rename into place."""
@@ -125,7 +121,7 @@ def save_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer, out
         if tokenizer is not None:
             tokenizer.save_hf(tmp)
         for f in tmp.iterdir():
-            fsync_file(f)
+            fsync_path(f)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

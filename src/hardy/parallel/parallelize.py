@@ -178,10 +178,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, device: torch.device
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
 def autocast_context(device: torch.device, dtype: str, uses_fsdp: bool):
     """FSDP2 casts parameters itself (MixedPrecisionPolicy); other layouts use autocast."""
     if dtype == "fp32" or uses_fsdp:
@@ -196,7 +192,3 @@ def grad_sync_context(model: nn.Module, sync: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()

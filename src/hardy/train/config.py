@@ -104,7 +104,7 @@ class ParallelSection:
     backend: str = "auto"  # auto | gloo | nccl
 
     def __post_init__(self):
-        _check(self.backend in ("auto", "gloo", "nccl"), f"parallel.backend must be auto, gloo or nccl")
+        _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
 
 
 @dataclass
@@ -134,7 +134,7 @@ class CheckpointSection:
     def __post_init__(self):
         ok = self.interval == "auto" or (isinstance(self.interval, int) and self.interval >= 0)
         _check(ok, f"checkpoint.interval must be a number of steps >= 0 or \"auto\" (got {self.interval!r})")
-        _check(self.interval_seconds >= 0, f"checkpoint.interval_seconds must be >= 0")
+        _check(self.interval_seconds >= 0, "checkpoint.interval_seconds must be >= 0")
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1 (got {self.keep})")
         _check(self.device_mtbf_hours > 0, "checkpoint.device_mtbf_hours must be > 0")
 

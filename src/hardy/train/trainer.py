@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state, write_json_atomic
+from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from hardy.data.loader import PackedLoader
 from hardy.errors import HardyError
+from hardy.fsio import write_json_atomic
 from hardy.fault.goodput import account, format_goodput
 from hardy.fault.inject import FaultInjector, corrupt_file
 from hardy.fault.policy import SpikeDetector, daly_interval
@@ -31,7 +32,7 @@ from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import global_grad_norm, scale_grads
 from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh,
-                                        grad_sync_context, parallelize, unwrap)
+                                        grad_sync_context, parallelize)
 from hardy.train.config import TrainConfig
 from hardy.train.metrics import MetricsLogger
 from hardy.train.precision import LossScaler
@@ -253,9 +254,7 @@ class Trainer:
             self.restore(path)
         else:  # nothing to roll back to yet: the spike step counts as skipped, the schedule moves on
             self.skipped += 1
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                self.scheduler.step()
+            self.advance_schedule()
         self.rollbacks = rollbacks
         skipped_batches = position - self.loader.consumed
         self.loader.consumed = position  # the offending batches are not seen again
@@ -268,6 +267,12 @@ class Trainer:
                               f"skipping {skipped_batches} micro-batch(es) per rank")
 
     # --- the loop ------------------------------------------------------------------------------
+
+    def advance_schedule(self) -> None:
+        """The schedule follows steps taken, skipped or not, so a resumed run is exact."""
+        with warnings.catch_warnings():  # a skipped step did not call optimizer.step(): expected here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -320,9 +325,7 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(bad)
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # a skipped step did not call optimizer.step(): expected here
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()  # the schedule follows steps taken, skipped or not, so resume is exact
+        self.advance_schedule()
         self.step += 1
         dt = time.perf_counter() - t0
         if self.injector.due("kill", self.step) or self.injector.random_kill_due(self.step):
