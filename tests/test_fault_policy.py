@@ -64,3 +64,21 @@ def test_goodput_accounting_from_events(tmp_path):
     assert g["losses_s"]["checkpoints"] == 0.5
     assert g["losses_s"]["restarts"] == pytest.approx(12.0 - 1.0 - 3.5)  # last event 3.5 -> next step start 11
     assert g["goodput"] == pytest.approx(3 / 13)
+
+
+def test_goodput_counts_async_checkpoint_waits_and_completion(tmp_path):
+    ev = [
+        {"event": "start", "time": 0.0, "step": 0},
+        {"event": "step", "time": 1.0, "step": 1, "step_time_s": 1.0, "skipped": False},
+        {"event": "checkpoint", "time": 1.1, "step": 1, "stall_s": 0.1},  # async hand-off
+        # the next step waited 0.2 s for the staging copy; the save completed after step 3
+        {"event": "step", "time": 2.1, "step": 2, "step_time_s": 1.0, "skipped": False, "ckpt_wait_s": 0.2},
+        {"event": "step", "time": 3.1, "step": 3, "step_time_s": 1.0, "skipped": False, "ckpt_wait_s": 0.0},
+        {"event": "checkpoint_complete", "time": 3.4, "step": 1, "stall_s": 0.3},
+        {"event": "end", "time": 3.4},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"schema": 1, **e}) for e in ev) + "\n")
+    g = account(tmp_path)
+    assert g["useful_s"] == pytest.approx(2.8)
+    assert g["losses_s"]["checkpoints"] == pytest.approx(0.6)
+    assert g["goodput"] == pytest.approx(2.8 / 3.4)

@@ -15,15 +15,17 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """durable=False skips the fsync: for files a later step fsyncs before marking them complete."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    write_bytes_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
+def write_json_atomic(path: Path, data: dict, durable: bool = True) -> None:
+    write_bytes_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode(), durable)

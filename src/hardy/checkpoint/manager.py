@@ -34,6 +34,7 @@ from hardy.parallel.distributed import barrier
 log = logging.getLogger(__name__)
 
 MANIFEST, COMPLETE, TRAINER = "manifest.json", "COMPLETE", "trainer.json"
+_HASHES = ".hashes_rank_"  # per-rank checksums, merged into the manifest and removed
 _STEP_DIR = re.compile(r"step_(\d{8})$")
 
 
@@ -57,13 +58,39 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _owned_files(directory: Path, rank: int) -> list[Path]:
+    """The files of a partial checkpoint that `rank` writes: its DCP shards (`__{rank}_*.distcp`,
+    FileSystemWriter's naming) and side state; rank 0 also DCP's `.metadata` and trainer.json."""
+    names = {f"rank_{rank:05d}.json"} | ({".metadata", TRAINER} if rank == 0 else set())
+    return sorted(f for f in directory.iterdir()
+                  if f.is_file() and (f.name in names or (f.name.startswith(f"__{rank}_") and f.suffix == ".distcp")))
+
+
+def _file_entry(f: Path) -> dict:
+    fsync_path(f)
+    return {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+
+
+def hash_own_files(directory: Path, rank: int) -> None:
+    """fsync and checksum this rank's files; the result goes to a per-rank JSON file that rank 0
+    merges into the manifest. Runs in the background writer for asynchronous saves, so hashing
+    gigabytes never stalls training."""
+    entries = {f.name: _file_entry(f) for f in _owned_files(directory, rank)}
+    write_json_atomic(directory / f"{_HASHES}{rank:05d}.json", entries)
+
+
 def write_manifest(directory: Path) -> None:
+    """Merge the per-rank checksums; a file no rank claimed (an unexpected DCP file name) is hashed here."""
     files = {}
+    for part in sorted(directory.glob(f"{_HASHES}*.json")):
+        files.update(json.loads(part.read_text()))
+        part.unlink()
     for f in sorted(directory.rglob("*")):
-        if f.is_file() and f.name not in (MANIFEST, COMPLETE):
-            fsync_path(f)
-            files[str(f.relative_to(directory))] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        name = str(f.relative_to(directory))
+        if f.is_file() and f.name not in (MANIFEST, COMPLETE) and name not in files:
+            files[name] = _file_entry(f)
     write_json_atomic(directory / MANIFEST, {"version": 1, "files": files})
+    fsync_path(directory)
 
 
 def verify_manifest(directory: Path) -> None:
@@ -148,24 +175,35 @@ class CheckpointManager:
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        # Side files first (tiny; fsynced later together with the shards, off the training thread).
+        write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state, durable=False)
+        if self.rank == 0:
+            write_json_atomic(partial / TRAINER, trainer_state, durable=False)
         with _quiet_single_process():
             if asynchronous:
                 response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group(),
                                           async_stager=self._stager())
-                future = getattr(response, "upload_completion", response)
+                upload = getattr(response, "upload_completion", response)
                 self._staging = getattr(response, "staging_completion", None)
             else:
                 dcp.save(state, checkpoint_id=str(partial))
-        write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state)
-        if self.rank == 0:
-            write_json_atomic(partial / TRAINER, trainer_state)
         if written is not None:
             written()
         if asynchronous:
+            future = self._background().submit(lambda: (upload.result(), hash_own_files(partial, self.rank)))
             self._pending = (step, partial, final, future)
             return final
+        hash_own_files(partial, self.rank)
         self._finalize(step, partial, final)
         return final
+
+    def _background(self):
+        """One worker thread for checkpoint housekeeping: checksums of asynchronous saves, deletions."""
+        if getattr(self, "_pool", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hardy-ckpt")
+        return self._pool
 
     def _stager(self):
         """Stage (copy) the state in a background thread too, into buffers reused across saves.
@@ -232,10 +270,16 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        for _, d in step_dirs(self.root)[self.keep:]:
-            shutil.rmtree(d, ignore_errors=True)
-        for d in self.root.glob(".step_*.partial"):
-            shutil.rmtree(d, ignore_errors=True)
+        """Drop checkpoints beyond the newest K: renamed out of sight at once, deleted in the
+        background (removing gigabytes takes a noticeable fraction of a second)."""
+        old = [d for _, d in step_dirs(self.root)[self.keep:]] + list(self.root.glob(".step_*.partial"))
+        for d in old:  # a save of the same step later must not find its directory deleted under it
+            trash = d.with_name(f".{d.name.lstrip('.')}.deleting")
+            shutil.rmtree(trash, ignore_errors=True)  # left over from a run that stopped mid-deletion
+            os.rename(d, trash)
+        doomed = list(self.root.glob(".step_*.deleting"))
+        if doomed:
+            self._background().submit(lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed])
 
     def find_resumable(self, explicit: Path | None = None) -> Path | None:
         """Newest complete checkpoint whose manifest verifies (rank 0 decides, all ranks agree)."""

@@ -43,6 +43,11 @@ def hang_detect_time(run_dir: Path) -> float:
     return total
 
 
+def _work(step_record: dict) -> float:
+    """A step's time without its wait for an asynchronous checkpoint (counted under checkpoints)."""
+    return step_record["step_time_s"] - step_record.get("ckpt_wait_s", 0.0)
+
+
 def account(run_dir: Path, now: float | None = None) -> dict:
     events = read_events(run_dir)
     starts = [e for e in events if e.get("event") == "start"]
@@ -61,24 +66,25 @@ def account(run_dir: Path, now: float | None = None) -> dict:
                 boundary = "restart"
         elif kind == "rollback":
             boundary = "rollback"
-        elif kind == "checkpoint":
+        elif kind in ("checkpoint", "checkpoint_complete"):
             losses["checkpoints"] += e.get("stall_s", 0.0)
         elif kind == "step":
+            losses["checkpoints"] += e.get("ckpt_wait_s", 0.0)  # waiting for an async save's staging copy
             if pending_restart is not None:
                 losses["restarts"] += max(0.0, e["time"] - e["step_time_s"] - pending_restart)
                 pending_restart = None
             old = latest.get(e["step"])
             if old is not None:
                 key = "rollbacks" if boundary == "rollback" else "recomputed"
-                losses["skipped" if old.get("skipped") else key] += old["step_time_s"]
+                losses["skipped" if old.get("skipped") else key] += _work(old)
             latest[e["step"]] = e
         if kind in ("start", "step", "checkpoint", "rollback", "end"):
             prev_time = e["time"]
     # steps undone by a rollback and never redone are still losses
     end_time = now if now is not None else prev_time
     wall = end_time - starts[0]["time"]
-    useful = sum(r["step_time_s"] for r in latest.values() if not r.get("skipped"))
-    losses["skipped"] += sum(r["step_time_s"] for r in latest.values() if r.get("skipped"))
+    useful = sum(_work(r) for r in latest.values() if not r.get("skipped"))
+    losses["skipped"] += sum(_work(r) for r in latest.values() if r.get("skipped"))
     detect = hang_detect_time(run_dir)
     losses["hang_detect"] = detect
     losses["restarts"] = max(0.0, losses["restarts"] - detect)

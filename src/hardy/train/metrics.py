@@ -1,7 +1,7 @@
 """Per-step metrics on rank 0: one fixed-format line, and the same dict to every sink.
 
 JSONL schema (version 1, documented in docs/metrics.md): one object per line with "schema" and
-"event" ("start", "step", "checkpoint", "end"); step records carry the keys in STEP_KEYS.
+"event" ("start", "step", "checkpoint", "checkpoint_complete", "rollback", "end"); step records carry the keys in STEP_KEYS.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s", "mfu",
-             "peak_mem_bytes", "ckpt_stall_s", "skipped", "loss_scale")
+             "peak_mem_bytes", "ckpt_stall_s", "ckpt_wait_s", "skipped", "loss_scale")
 
 
 def format_step(m: dict, total_steps: int) -> str:

@@ -208,6 +208,17 @@ class Trainer:
         self.after_save(path)
         return path, stall
 
+    def complete_async_save(self, complete, logger) -> float:
+        """Run `complete` (the manager's poll or wait); returns the seconds it held up training and
+        records them when it finished a save (merging checksums, renaming, COMPLETE)."""
+        t0 = time.perf_counter()
+        path = complete()
+        held = time.perf_counter() - t0
+        if path is not None:
+            self.after_save(path)
+            logger.event("checkpoint_complete", step=int(path.name.split("_")[1]), path=str(path), stall_s=held)
+        return held
+
     def after_save(self, path: Path) -> None:
         if self.env.is_main and self.injector.due("corrupt_ckpt", int(path.name.split("_")[1])):
             damaged = corrupt_file(path)
@@ -312,6 +323,7 @@ class Trainer:
                       "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
                       "step_time_s": dt, "skipped": True, "loss_scale": self.scaler.scale, "spike": True}
             return record
+        ckpt_wait = 0.0
         if skip:
             self.skipped += 1
         else:
@@ -321,7 +333,9 @@ class Trainer:
                 factor *= cfg.optim.grad_clip / (grad_norm + 1e-6)
             if factor != 1.0:
                 scale_grads(params, factor)
+            t_wait = time.perf_counter()
             self.ckpt.staged()  # an asynchronous save must finish copying before the weights change
+            ckpt_wait = time.perf_counter() - t_wait
             self.optimizer.step()
         self.scaler.update(bad)
         self.optimizer.zero_grad(set_to_none=True)
@@ -332,7 +346,8 @@ class Trainer:
             self.injector.kill()
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
-                "step_time_s": dt, "skipped": bool(skip), "loss_scale": self.scaler.scale}
+                "step_time_s": dt, "skipped": bool(skip), "loss_scale": self.scaler.scale,
+                "ckpt_wait_s": ckpt_wait}
 
     def checkpoint_due(self, since_last: float, last_stall: float | None) -> bool:
         """Every N steps, every T seconds, or "auto": the Young/Daly optimum for this job's MTBF."""
@@ -370,11 +385,9 @@ class Trainer:
                 m = self.train_step()
                 steps_run += 1
                 watchdog.beat(cfg.fault.hang_timeout_s)  # after the first step: the per-step timeout
-                completed = self.ckpt.poll()  # an asynchronous save whose writes all finished
-                if completed is not None:
-                    self.after_save(completed)
+                completion = self.complete_async_save(self.ckpt.poll, logger)
                 if m.get("spike"):
-                    m.update(ckpt_stall_s=0.0, mfu=None, peak_mem_bytes=self.memory.peak_bytes())
+                    m.update(ckpt_stall_s=completion, mfu=None, peak_mem_bytes=self.memory.peak_bytes())
                     logger.step(m)
                     self.rollback(m["loss"])
                     watchdog.beat()
@@ -387,14 +400,12 @@ class Trainer:
                     last_save, last_stall, last_ckpt = time.perf_counter(), stall, str(path)
                     logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
                     watchdog.beat()
-                m["ckpt_stall_s"] = stall
+                m["ckpt_stall_s"] = stall + completion + m["ckpt_wait_s"]
                 m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / peak) if peak else None
                 m["peak_mem_bytes"] = self.memory.peak_bytes()
                 logger.step(m)
             watchdog.stop()
-            completed = self.ckpt.wait()
-            if completed is not None:
-                self.after_save(completed)
+            self.complete_async_save(self.ckpt.wait, logger)
             if cfg.checkpoint.at_end and steps_run:
                 path, stall = self.save_checkpoint(final=True)
                 last_ckpt = str(path)
