@@ -135,7 +135,7 @@ def bench_recovery(args) -> None:
 
 
 def bench_goodput(args) -> None:
-    from hardy.fault.policy import expected_goodput
+    from hardy.fault.policy import expected_goodput, expected_goodput_step_failures
 
     root = Path(tempfile.mkdtemp(prefix="hardy-goodput-", dir=args.dir))
     data = _dataset(root)
@@ -157,9 +157,10 @@ def bench_goodput(args) -> None:
     saves = [e for e in ev if e["event"] == "checkpoint"]
     restart_s = g["losses_s"]["restarts"] / max(1, g["restarts"])
     steps_between = statistics.median(b["step"] - a["step"] for a, b in zip(saves, saves[1:])) if len(saves) > 1 else 0
-    interval_s = steps_between * step_s + delta
+    interval_s = steps_between * step_s  # compute between checkpoints
     stall = statistics.median(e["stall_s"] for e in saves) if saves else delta
     predicted = expected_goodput(interval_s, stall, mtbf_s, restart_s)
+    predicted_steps = expected_goodput_step_failures(interval_s, stall, mtbf_s, restart_s)
     # The wall-clock MTBF that actually happened (failures / wall time) for reference.
     print(f"tiny preset, {args.steps} steps, failure probability {args.rate} per step (seed {args.seed}): "
           f"step {step_s:.3f} s -> MTBF {mtbf_s:.1f} s")
@@ -168,8 +169,31 @@ def bench_goodput(args) -> None:
     print(f"  measured goodput  {100 * g['goodput']:5.1f}%   (wall {g['wall_s']:.1f} s, useful {g['useful_s']:.1f} s)")
     print(f"  Young/Daly first-order prediction 1 - d/T - (T/2 + R)/M = {100 * predicted:5.1f}%   "
           f"difference {100 * (g['goodput'] - predicted):+.1f} points")
+    print(f"  same, failures only during steps (as injected) 1/(1 + d/T + (T/2 + R)/(M - T/2)) = "
+          f"{100 * predicted_steps:5.1f}%   difference {100 * (g['goodput'] - predicted_steps):+.1f} points")
     for key, value in g["losses_s"].items():
         print(f"    lost to {key:<12} {value:7.1f} s")
+    planner_goodput(run, root, restart_s, g["goodput"])
+
+
+def planner_goodput(run: Path, root: Path, restart_s: float, measured: float) -> None:
+    """`hardy plan`'s own prediction for the same job: its checkpoint stall (bytes ÷ the probed disk
+    bandwidth), its Daly interval and goodput, with the injected MTBF and the measured restart time."""
+    from hardy.plan.check import job_for_run, probe_threads, read_run, run_hardware
+    from hardy.plan.hardware import get_hardware
+    from hardy.plan.train import plan_train
+
+    profile = root / "probe.json"
+    subprocess.run([sys.executable, "-m", "hardy", "probe", "--quick", "--out", str(profile), "--dir", str(root)],
+                   check=True, capture_output=True, cwd=REPO)
+    spec = f"probe:{profile}"
+    config, _ = read_run(run)
+    threads = int(config["train"]["threads"] or 0)
+    plan = plan_train(job_for_run(config, run_hardware(get_hardware(spec), 1, threads, probe_threads(spec)),
+                                  restart_s=restart_s))
+    r = plan.reliability
+    print(f"  hardy plan: stall {r['checkpoint_stall_s']:.3f} s, Daly interval {r['interval_s']:.2f} s, goodput "
+          f"{100 * r['goodput']:5.1f}%   difference {100 * (measured - r['goodput']):+.1f} points")
 
 
 def main() -> None:

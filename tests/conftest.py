@@ -67,3 +67,15 @@ def micro_dataset(tmp_path_factory) -> Path:
     text.write_text(resolve_text_path("tinyshakespeare").read_text()[:200_000])
     prepare([str(text)], "bpe:512", root / "ds", seed=0)
     return root / "ds"
+
+
+@pytest.fixture(scope="session")
+def probe_profile(tmp_path_factory) -> Path:
+    """`hardy probe --quick` on this machine, run once per session: the path of its JSON profile
+    (use it as `get_hardware("probe:" + str(path))`)."""
+    root = tmp_path_factory.mktemp("probe")
+    out = root / "hardware-profile.json"
+    proc = run_hardy("probe", "--quick", "--out", str(out), "--dir", str(root), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.is_file() and not list(root.glob(".hardy-probe-*")), "the probe must clean up its disk test file"
+    return out

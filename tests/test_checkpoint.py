@@ -29,7 +29,7 @@ def test_manifest_lists_every_file_and_pruning_keeps_k(tmp_path, state, asynchro
     for step in (1, 2, 3):
         mgr.save(step, model, opt, {"step": step}, {"rank": 0}, asynchronous=asynchronous)
         mgr.wait()
-    mgr._background().submit(lambda: None).result()  # background deletions done
+    mgr.close()  # background deletions done
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
     newest = root / "step_00000003"

@@ -82,3 +82,13 @@ def test_goodput_counts_async_checkpoint_waits_and_completion(tmp_path):
     assert g["useful_s"] == pytest.approx(2.8)
     assert g["losses_s"]["checkpoints"] == pytest.approx(0.6)
     assert g["goodput"] == pytest.approx(2.8 / 3.4)
+
+
+def test_goodput_with_failures_only_during_steps():
+    from hardy.fault.policy import expected_goodput_step_failures
+
+    # T = 4 s, delta = 0.2 s, R = 5 s, M = 50 s: 1 / (1 + 0.05 + 7/48)
+    assert expected_goodput_step_failures(4.0, 0.2, 50.0, 5.0) == pytest.approx(1 / (1 + 0.05 + 7 / 48))
+    # agrees with the first-order formula when failures are rare
+    assert expected_goodput_step_failures(60, 1, 1e6, 60) == pytest.approx(expected_goodput(60, 1, 1e6, 60), abs=1e-3)
+    assert expected_goodput_step_failures(10, 1, 4, 1) == 0.0

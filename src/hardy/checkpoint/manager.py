@@ -197,6 +197,13 @@ class CheckpointManager:
         self._finalize(step, partial, final)
         return final
 
+    def close(self) -> None:
+        """Finish background housekeeping (checksums, deletions of pruned checkpoints)."""
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+            self._pool = None
+
     def _background(self):
         """One worker thread for checkpoint housekeeping: checksums of asynchronous saves, deletions."""
         if getattr(self, "_pool", None) is None:

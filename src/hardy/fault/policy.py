@@ -28,6 +28,16 @@ def expected_goodput(interval: float, delta: float, mtbf: float, restart: float)
     return max(0.0, 1 - delta / interval - (interval / 2 + restart) / mtbf)
 
 
+def expected_goodput_step_failures(interval: float, delta: float, mtbf: float, restart: float) -> float:
+    """Goodput when failures strike only while steps compute (how `fault.random_kill_rate` draws
+    them: a probability per step), not during checkpoints and restarts. With U useful seconds,
+    F = (U + F·T/2)/M failures and wall = U(1 + δ/T) + F(T/2 + R), so
+    goodput = 1 / (1 + δ/T + (T/2 + R)/(M − T/2)); to first order the same as `expected_goodput`."""
+    if interval / 2 >= mtbf:
+        return 0.0
+    return 1 / (1 + delta / interval + (interval / 2 + restart) / (mtbf - interval / 2))
+
+
 class SpikeDetector:
     """Loss above median(last `window`) + `threshold` x MAD, after `warmup` observed steps."""
 

@@ -1,8 +1,9 @@
 """Parallel degrees: one validated object shared by the trainer and the planner.
 
-Three degrees make up the world: `dp_replicate` (DDP, or the replica dimension of HSDP),
-`dp_shard` (FSDP2 sharding) and `tp` (DTensor tensor parallelism). Their product must equal
-the world size; at most one may be -1, meaning "whatever is left".
+Four degrees make up the world: `dp_replicate` (DDP, or the replica dimension of HSDP),
+`dp_shard` (FSDP2 sharding), `tp` (DTensor tensor parallelism) and `pp` (pipeline stages: the
+planner models them; the trainer runs pp = 1). Their product must equal the world size; at most
+one may be -1, meaning "whatever is left".
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
 
     @classmethod
-    def build(cls, world_size: int, dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1) -> "ParallelDims":
+    def build(cls, world_size: int, dp_replicate: int = -1, dp_shard: int = 1, tp: int = 1,
+              pp: int = 1) -> "ParallelDims":
         if world_size < 1:
             raise HardyError(f"world size must be >= 1 (got {world_size})")
-        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
         for name, value in degrees.items():
             if value == 0 or value < -1:
                 raise HardyError(f"parallel.{name} must be a positive integer or -1 (got {value})")
@@ -38,7 +41,7 @@ class ParallelDims:
                 raise HardyError(f"parallel degrees {_fmt(degrees)} cannot fill a world of {world_size} processes: "
                                  f"{world_size} is not divisible by {fixed}")
             degrees[free[0]] = world_size // fixed
-        product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"]
+        product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"] * degrees["pp"]
         if product != world_size:
             raise HardyError(f"parallel degrees {_fmt(degrees)} multiply to {product}, but the world size is "
                              f"{world_size}")
@@ -69,6 +72,8 @@ class ParallelDims:
             parts.append(f"DDP {self.dp_replicate}")
         if self.uses_tp:
             parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
         return " + ".join(parts) or "single process"
 
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -63,6 +63,10 @@ class TrainSection:
     compile: bool = False
     deterministic: bool = True
     threads: int = 0  # 0 = leave torch's default (torchrun sets OMP_NUM_THREADS=1 per process)
+    # CPU: hand freed memory back to the OS at once (glibc mmap for blocks >= 64 KiB). Peak RSS then
+    # tracks live tensors (what `hardy plan` predicts) instead of growing with heap fragmentation
+    # (FSDP2 on gloo: +100 MB per step), at a speed cost measured at 8-50% (BENCHMARKS.md).
+    release_memory: bool = False
 
     def __post_init__(self):
         _check(self.steps >= 1, f"train.steps must be >= 1 (got {self.steps})")

@@ -27,10 +27,11 @@ from hardy.fault.watchdog import Watchdog
 from hardy.model.config import ModelConfig, count_parameters, flops_per_token, get_preset
 from hardy.model.llama import Transformer
 from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
-from hardy.ops.memory import MemoryMeter
+from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import global_grad_norm, scale_grads
+from hardy.parallel.parallelize import preload as preload_parallel
 from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh,
                                         grad_sync_context, parallelize)
 from hardy.train.config import TrainConfig
@@ -137,6 +138,12 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.dims = ParallelDims.build(self.env.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
                                        cfg.parallel.tp)
+        # Peak FLOP/s for MFU, measured before the memory meter starts so its matrices do not count.
+        self.peak_flops = (measure_matmul_flops(DTYPES[cfg.precision.dtype], self.env.device) * self.env.world_size
+                           if self.env.is_main else None)
+        preload_parallel()
+        if cfg.train.release_memory and self.env.device.type == "cpu":
+            return_freed_memory_to_os()
         self.memory = MemoryMeter(self.env.device)
         if cfg.precision.dtype != "fp32" and not has_fast_bf16(self.env.device):
             log.warning("precision.dtype = %s on hardware without native bf16/fp16 matmul (no AVX512-BF16/AMX): "
@@ -369,7 +376,7 @@ class Trainer:
         main = self.env.is_main
         logger = self.logger = MetricsLogger(self.run_dir, cfg.train.steps, self.step, main, cfg.log.every,
                                              cfg.log.jsonl, cfg.log.tensorboard, cfg.log.progress)
-        peak = measure_matmul_flops(DTYPES[cfg.precision.dtype], self.env.device) * self.env.world_size if main else None
+        peak = self.peak_flops
         counts = count_parameters(self.model_cfg)
         logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {self.dims.describe()}, "
                      f"{cfg.precision.dtype}, {self.tokens_per_step:,} tokens/step, run dir {self.run_dir}"
@@ -424,6 +431,7 @@ class Trainer:
             return summary
         finally:
             watchdog.stop()
+            self.ckpt.close()
             logger.close()
 
 

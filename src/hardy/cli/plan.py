@@ -1,0 +1,68 @@
+"""hardy plan: what a deployment (or run) needs and achieves on given hardware, before renting it.
+
+A command group: one `register_*` and one `run_*` function per subcommand.
+"""
+from __future__ import annotations
+
+import json
+
+from hardy.cli.common import Parser
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="plan memory, speed and cost on a hardware catalogue entry or probe profile")
+    group = p.add_subparsers(dest="plan_command", required=True, parser_class=Parser)
+    register_serve(group)
+    from hardy.cli import plan_train
+
+    plan_train.register(group)
+
+
+def _add_hardware_args(p) -> None:
+    p.add_argument("--model", required=True, help="a preset (smollm2-135m, llama3.1-8b, ...), a .gguf file "
+                                                  "or a model directory (only its config is read)")
+    p.add_argument("--hardware", required=True, help="a catalogue entry (h100-sxm, l40s, xeon-spr, ...) or "
+                                                     "probe:FILE (a profile written by `hardy probe`)")
+    p.add_argument("--devices", type=int, default=1, help="GPUs or CPU sockets, tensor parallel (default 1)")
+    p.add_argument("--catalogue", default=None, help="a hardware catalogue TOML instead of the built-in one")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def register_serve(group) -> None:
+    from hardy.plan.serve import KV_DTYPES, QUANTS
+
+    p = group.add_parser("serve", help="serving: memory per device, largest batch, latency, tokens/s, cost")
+    _add_hardware_args(p)
+    p.add_argument("--quant", default="fp16", choices=QUANTS, help="weight format (default fp16)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="KV cache dtype (default fp16; fp32 "
+                                                                       "with --quant fp32)")
+    p.add_argument("--context", type=int, default=2048, help="tokens of KV cache per sequence (default 2048)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default: context - output tokens")
+    p.add_argument("--output-tokens", type=int, default=256)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--batch", type=int, default=None, help="concurrent sequences (default 1)")
+    load.add_argument("--qps", type=float, default=None, help="requests/s to sustain: finds the batch")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    from hardy.formats.load import config_for
+    from hardy.plan.hardware import get_hardware
+    from hardy.plan.serve import plan_serve
+
+    hw = get_hardware(args.hardware, args.catalogue)
+    plan = plan_serve(config_for(args.model), hw, devices=args.devices, quant=args.quant, context=args.context,
+                      output_tokens=args.output_tokens, batch=args.batch, qps=args.qps,
+                      prompt_tokens=args.prompt_tokens, kv_dtype=args.kv_dtype)
+    _print(plan, args.json)
+    return 0
+
+
+def _print(plan, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(plan.to_dict()))
+        return
+    rows = plan.rows()
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")

@@ -1,0 +1,250 @@
+"""`hardy plan train | compare | check | validate | hardware` (the `plan` group lives in cli/plan.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hardy.errors import HardyError
+
+
+def register(group) -> None:
+    register_train(group)
+    register_compare(group)
+    register_check(group)
+    register_validate(group)
+    register_hardware(group)
+
+
+def _model_and_hardware(p, hardware_required: bool = True) -> None:
+    p.add_argument("--model", required=True, help="a hardy preset (tiny, smollm2-135m, llama3.1-8b, ...), a GPT "
+                                                  "preset (gpt-22b, gpt-175b, gpt-530b, gpt-1t), a .gguf / model "
+                                                  "directory, or a TOML/JSON config with family = llama|gpt")
+    p.add_argument("--hardware", required=hardware_required, help="a catalogue entry (see `hardy plan hardware`) "
+                                                                   "or probe:FILE from `hardy probe`")
+    p.add_argument("--catalogue", default=None, help="a hardware catalogue TOML instead of the built-in one")
+
+
+def _workload(p) -> None:
+    p.add_argument("--devices", type=int, required=True, help="GPUs, or CPU sockets")
+    p.add_argument("--tokens", type=float, default=0.0, help="tokens to train on (for time, cost, failures)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="tokens per optimizer step (default: 1M tokens rounded to sequences)")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device-mtbf-hours", type=float, default=None, help="default: the catalogue's, else Llama 3's")
+    p.add_argument("--restart-s", type=float, default=300.0, help="seconds to detect, restart and reload (default 300)")
+
+
+def register_train(group) -> None:
+    p = group.add_parser("train", help="training: memory per device, step time, MFU, time, cost and goodput")
+    _model_and_hardware(p)
+    _workload(p)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="default: devices / (tp x pp)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="3 = ZeRO-3 / FSDP full shard")
+    p.add_argument("--ac", default="none", help="activation recompute: none, selective (GPT), full, every:K")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--offload", default="none", choices=["none", "optimizer", "params"])
+    p.add_argument("--sp", action="store_true", help="sequence parallelism with TP")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
+    p.add_argument("--virtual-stages", type=int, default=2, help="stages per device when interleaved (default 2)")
+    p.add_argument("--search", action="store_true", help="enumerate tp/pp/zero/ac/micro-batch; rank the ones that fit")
+    p.add_argument("--rank-by", default="time", choices=["time", "cost"])
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--report", default=None, help="write FILE.md or FILE.html with tables and plots")
+    p.set_defaults(func=run_train)
+
+
+def _job(args, hw, arch):
+    from hardy.plan.train import TrainJob
+
+    batch = args.global_batch_tokens or max(1, (1 << 20) // args.seq) * args.seq
+    return TrainJob(arch=arch, hw=hw, devices=args.devices, seq=args.seq, global_batch_tokens=batch,
+                    tokens=args.tokens, precision=args.precision, device_mtbf_hours=args.device_mtbf_hours,
+                    restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
+                        tp=args.tp, pp=args.pp, dp=args.dp, zero=args.zero, ac=args.ac, micro_batch=args.micro_batch,
+                        offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
+                        virtual_stages=args.virtual_stages)))
+
+
+def _search_label(p) -> str:
+    j = p.job
+    return f"tp{j.tp} pp{j.pp} dp{p.dims.dp} z{j.zero} {j.ac} mb{j.micro_batch}"
+
+
+def run_train(args) -> int:
+    from hardy.plan.arch import load_arch
+    from hardy.plan.hardware import get_hardware
+    from hardy.plan.report import (fmt_bytes, fmt_time, memory_figure, pareto_figure, print_rows, table,
+                                   train_plan_rows, write_report)
+    from hardy.plan.train import fit_advice, plan_train, search
+
+    hw, arch = get_hardware(args.hardware, args.catalogue), load_arch(args.model)
+    if args.devices < 1:
+        raise HardyError(f"--devices must be >= 1 (got {args.devices})")
+    job = _job(args, hw, arch)
+    if args.search:
+        plans, tried = search(job, args.rank_by, limit=0)
+        if not plans:
+            raise HardyError(f"{arch.name} fits in no configuration of {args.devices} x {hw.name} "
+                             f"({tried} tried): add devices, use ZeRO-3 + full recompute, or a larger device")
+        top = plans[:args.top]
+        if args.json:
+            print(json.dumps({"tried": tried, "fitting": len(plans), "plans": [p.to_dict() for p in top]}))
+        else:
+            print(f"{len(plans)} of {tried} configurations fit on {args.devices} x {hw.name}; best by {args.rank_by}:")
+            rows = [[i + 1, _search_label(p), fmt_bytes(p.peak_memory), fmt_time(p.step_s), f"{100 * p.mfu:.1f}%",
+                     f"{100 * p.reliability['goodput']:.1f}%",
+                     fmt_time(p.effective_time_s) if job.tokens else "-",
+                     "-" if p.cost is None else f"${p.cost:,.0f}"] for i, p in enumerate(top)]
+            print(table(["#", "configuration", "memory/device", "step", "MFU", "goodput", "time", "cost"], rows))
+        if args.report:
+            best = plans[0]
+            points = [(p.step_s if not job.tokens else p.effective_time_s / 3600,
+                       (p.cost if p.cost is not None else p.peak_memory / 1e9), _search_label(p)) for p in plans]
+            ylabel = "cost (USD)" if plans[0].cost is not None else "memory per device (GB)"
+            figs = [pareto_figure(points, "time to train (h)" if job.tokens else "step time (s)", ylabel,
+                                  f"{arch.name} on {args.devices} x {hw.name}: searched configurations"),
+                    memory_figure(top[:6], [_search_label(p) for p in top[:6]])]
+            write_report(Path(args.report), f"hardy plan train --search: {arch.name}",
+                         [("best configuration", print_rows(train_plan_rows(best)))], figs)
+        return 0
+    plan = plan_train(job)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(print_rows(train_plan_rows(plan)))
+    if args.report:
+        write_report(Path(args.report), f"hardy plan train: {arch.name} on {args.devices} x {hw.name}",
+                     [("plan", print_rows(train_plan_rows(plan)))], [memory_figure([plan], [arch.name])])
+    if not plan.fits:
+        raise HardyError(fit_advice(plan))
+    return 0
+
+
+def register_compare(group) -> None:
+    p = group.add_parser("compare", help="GPU or CPU? one workload side by side over catalogue entries")
+    p.add_argument("workload", choices=["train", "serve"])
+    _model_and_hardware(p, hardware_required=False)
+    p.add_argument("--hardware-list", default=None,
+                   help="comma-separated entries (default: the whole catalogue); probe:FILE allowed")
+    p.add_argument("--devices", type=int, required=True, help="GPUs or CPU sockets per option")
+    p.add_argument("--tokens", type=float, default=0.0, help="train: tokens to train on")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--global-batch-tokens", type=int, default=None)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="train; hardware without fast bf16 falls back to fp32")
+    p.add_argument("--device-mtbf-hours", type=float, default=None)
+    p.add_argument("--restart-s", type=float, default=300.0)
+    p.add_argument("--quant", default="int8", help="serve: weight format (default int8)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=None, help="serve: concurrent sequences (default: the largest that fits)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--report", default=None, help="FILE.md or FILE.html")
+    p.set_defaults(func=run_compare)
+
+
+def run_compare(args) -> int:
+    from hardy.plan.compare import compare_serve, compare_train, compare_figure
+    from hardy.plan.hardware import get_hardware, load_catalogue
+    from hardy.plan.report import table, write_report
+
+    names = args.hardware_list.split(",") if args.hardware_list else list(load_catalogue(args.catalogue))
+    if args.hardware:
+        names = [args.hardware] + [n for n in names if n != args.hardware]
+    hws = [get_hardware(n.strip(), args.catalogue) for n in names if n.strip()]
+    headers, rows, records = (compare_train if args.workload == "train" else compare_serve)(args, hws)
+    if args.json:
+        print(json.dumps(records))
+    else:
+        print(table(headers, rows))
+    if args.report:
+        write_report(Path(args.report), f"hardy plan compare {args.workload}: {args.model}",
+                     [("comparison", table(headers, rows))], [compare_figure(records, args.workload)])
+    return 0
+
+
+def register_check(group) -> None:
+    p = group.add_parser("check", help="predicted vs measured for a finished `hardy train` run")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--hardware", required=True, help="probe:FILE of the machine that ran it (`hardy probe`)")
+    p.add_argument("--catalogue", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args) -> int:
+    from hardy.plan.check import check_run, probe_threads
+    from hardy.plan.hardware import get_hardware
+    from hardy.plan.report import table
+
+    hw = get_hardware(args.hardware, args.catalogue)
+    threads = probe_threads(args.hardware)
+    out, rows = [], []
+    for run in args.run_dirs:
+        plan, checks = check_run(Path(run), hw, threads)
+        for name, pred, meas, unit in checks:
+            err = pred / meas - 1 if meas else float("nan")
+            out.append({"run": run, "quantity": name, "predicted": pred, "measured": meas, "unit": unit, "error": err})
+            scale, shown = (2 ** 20, "MiB") if unit == "bytes" else (1, unit)
+            rows.append([Path(run).name, name, f"{pred / scale:,.3f} {shown}", f"{meas / scale:,.3f} {shown}",
+                         f"{100 * err:+.1f}%"])
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(table(["run", "quantity", "predicted", "measured", "error"], rows))
+    return 0
+
+
+def register_validate(group) -> None:
+    p = group.add_parser("validate", help="reproduce the published cases (ZeRO, DeepSpeed, Megatron) with errors")
+    p.add_argument("--catalogue", default=None)
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (docs/planner.md)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_validate)
+
+
+def run_validate(args) -> int:
+    from hardy.plan.report import markdown_table, table
+    from hardy.plan.validation import all_cases
+
+    cases = all_cases(args.catalogue)
+    if args.json:
+        print(json.dumps([dict(c.__dict__, error=c.error, ok=c.ok) for c in cases]))
+    else:
+        rows = [[c.group, c.name, f"{c.published:g} {c.unit}", f"{c.predicted:.3g} {c.unit}", f"{100 * c.error:+.1f}%",
+                 f"±{100 * c.tolerance:.0f}%", "ok" if c.ok else "FAIL", c.formula] for c in cases]
+        headers = ["group", "case", "published", "hardy", "error", "goal", "", "formula"]
+        print(markdown_table(headers, rows) if args.markdown else table(headers, rows, align_right=False))
+    failed = [c for c in cases if not c.ok]
+    if failed:
+        raise HardyError(f"{len(failed)} published case(s) outside tolerance: {', '.join(c.name for c in failed)}")
+    return 0
+
+
+def register_hardware(group) -> None:
+    p = group.add_parser("hardware", help="list the hardware catalogue, or describe one entry / probe profile")
+    p.add_argument("name", nargs="?", help="an entry or probe:FILE")
+    p.add_argument("--catalogue", default=None)
+    p.set_defaults(func=run_hardware)
+
+
+def run_hardware(args) -> int:
+    from hardy.plan.hardware import describe_hardware, get_hardware, load_catalogue
+    from hardy.plan.report import print_rows, table
+
+    if args.name:
+        print(print_rows(describe_hardware(get_hardware(args.name, args.catalogue))))
+        return 0
+    rows = []
+    for name, hw in load_catalogue(args.catalogue).items():
+        dtype = "bf16" if "bf16" in hw.peak_flops else "fp32"
+        price = "-" if hw.price_per_device_hour is None else f"${hw.price_per_device_hour:.2f}"
+        rows.append([name, hw.kind, f"{hw.peak_flops[dtype] / 1e12:,.0f} {dtype}", f"{hw.memory_bytes / 1e9:,.0f} GB",
+                     f"{hw.memory_bandwidth / 1e9:,.0f} GB/s", hw.devices_per_node, price, hw.date])
+    print(table(["name", "kind", "peak TFLOP/s", "memory", "bandwidth", "per node", "$/device-h", "date"], rows,
+                align_right=False))
+    return 0

@@ -1,0 +1,415 @@
+"""`hardy probe`: measure this machine and describe it as a versioned JSON profile (docs/probe.md).
+
+Every measurement is sized to the hardware so the whole probe stays short: a matmul dtype that turns
+out slow (bf16 on a CPU without native bf16 runs ~100x slower than fp32) is never tried at a size
+that would take seconds. The profile feeds the planner through `--hardware probe:FILE`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from hardy.errors import HardyError
+
+SCHEMA = "hardy.probe/1"
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sve", "bf16", "i8mm")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- system description
+
+def cpu_info() -> dict:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    fields: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), []).append(value.strip())
+    model = (fields.get("model name") or [platform.processor() or platform.machine()])[0]
+    # x86 lists "flags", arm64 lists "Features"
+    flags = set((fields.get("flags") or fields.get("Features") or [""])[0].split())
+    sockets = len(set(fields["physical id"])) if "physical id" in fields else None
+    mem = psutil.virtual_memory()
+    isa_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags) or ("bf16" in flags and platform.machine() == "aarch64")
+    return {"model": model, "physical_cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+            "logical_cpus": psutil.cpu_count(logical=True) or os.cpu_count(), "sockets": sockets,
+            "flags": {f: f in flags for f in ISA_FLAGS}, "fast_bf16_isa": isa_bf16,
+            "memory_total_bytes": int(mem.total), "memory_available_bytes": int(mem.available)}
+
+
+def gpu_info() -> dict | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "count": torch.cuda.device_count(), "memory_bytes": int(props.total_memory),
+            "capability": f"{props.major}.{props.minor}", "bf16_supported": torch.cuda.is_bf16_supported()}
+
+
+# ---------------------------------------------------------------- matmul
+
+def measure_matmul(dtype: torch.dtype, device: torch.device, sizes: list[int], min_time: float,
+                   max_single: float) -> dict:
+    """FLOP/s of square matmuls, growing the size only while the next one (~8x the work) is predicted
+    to take under `max_single` seconds per multiply."""
+    rows, stopped = [], "largest size in the list"
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b  # warm-up: kernel selection / JIT and first-touch of the output
+        _sync(device)
+        first = time.perf_counter() - t0
+        # On a GPU one multiply is microseconds: time a batch so the timer and launch noise vanish.
+        inner = max(1, min(200, int(0.005 / max(first, 1e-7))))
+        best, spent, reps = float("inf"), 0.0, 0
+        while reps < 2 or (spent < min_time and reps < 100):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                a @ b
+            _sync(device)
+            dt = time.perf_counter() - t0
+            best, spent, reps = min(best, dt / inner), spent + dt, reps + 1
+        rows.append({"size": size, "seconds": best, "flops": 2 * size ** 3 / best, "multiplies": reps * inner})
+        del a, b
+        if best * 8 > max_single and size != sizes[-1]:
+            stopped = f"size {size * 2} would take ~{best * 8:.2f} s per multiply (limit {max_single} s)"
+            break
+    return {"best_flops": max(r["flops"] for r in rows), "sizes": rows, "stopped": stopped}
+
+
+def _matmul_all(device: torch.device, quick: bool) -> dict:
+    if device.type == "cuda":
+        sizes = [1024, 2048, 4096] + ([] if quick else [8192])
+    else:
+        sizes = [128, 256, 512, 1024] + ([] if quick else [2048])
+    min_time, max_single = (0.1, 0.25) if quick else (0.3, 0.5)
+    out = {name: measure_matmul(dt, device, sizes, min_time, max_single) for name, dt in DTYPES.items()}
+    return out
+
+
+# ---------------------------------------------------------------- per-operator overhead
+
+def measure_op_overhead(device: torch.device, chain: int = 200, repeats: int = 10) -> dict:
+    """Host time per eager operator on tiny tensors, so only the overhead is timed: Python + ATen
+    dispatch on a CPU, launch throughput on a GPU (launches are asynchronous: one sync per chain).
+    `op_overhead_s` follows the planner's accounting of training ops: a chain of `chain` multiplies
+    with autograd, forward and backward, divided by 3 x chain (one forward + two backward ops each)."""
+    x = torch.ones(4, device=device, requires_grad=True)
+    w = torch.ones(4, device=device, requires_grad=True)
+    train = plain = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(chain):
+            y = y * w
+        y.sum().backward()
+        _sync(device)
+        train = min(train, (time.perf_counter() - t0) / (3 * chain))
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            for _ in range(chain):
+                torch.mul(x, w)
+            _sync(device)
+            plain = min(plain, (time.perf_counter() - t0) / chain)
+    return {"device": device.type, "op": "multiply of 4 elements", "chain": chain, "repeats": repeats,
+            "op_overhead_s": train, "no_grad_op_s": plain}
+
+
+# ---------------------------------------------------------------- memory bandwidth
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
+    """Stream-style copy of one large buffer into another: read + write = 2 x nbytes per copy."""
+    if device.type == "cpu":
+        # keep well inside free RAM (src + dst + headroom)
+        nbytes = max(16 * MiB, min(nbytes, psutil.virtual_memory().available // 4))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    dst.fill_(0)  # touch every page so first-touch faults are not timed
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return {"device": device.type, "buffer_bytes": nbytes, "bytes_per_copy": 2 * nbytes, "repeats": repeats,
+            "best_seconds": best, "bandwidth": 2 * nbytes / best}
+
+
+# ---------------------------------------------------------------- disk
+
+def measure_disk(directory: Path, nbytes: int) -> dict:
+    """Write with fsync, drop the file from the page cache, read it back; the file is removed after."""
+    path = directory / f".hardy-probe-{os.getpid()}.tmp"
+    chunk = os.urandom(4 * MiB)  # incompressible, so a compressing filesystem cannot cheat
+    cache_dropped = False
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = 0
+            while written < nbytes:
+                written += os.write(fd, chunk[: min(len(chunk), nbytes - written)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        write_s = time.perf_counter() - t0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                try:  # the pages are clean after fsync, so DONTNEED really evicts them
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    cache_dropped = True
+                except OSError:
+                    pass
+            buf = bytearray(4 * MiB)
+            view = memoryview(buf)
+            t0 = time.perf_counter()
+            read = 0
+            while (n := os.readv(fd, [view])) > 0:
+                read += n
+            read_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise HardyError(f"disk test in {directory}: {e.strerror or e}") from None
+    finally:
+        path.unlink(missing_ok=True)
+    note = "" if cache_dropped else "page cache could not be dropped: the read figure may come from RAM"
+    return {"directory": str(directory.resolve()), "file_bytes": nbytes, "write_seconds": write_s,
+            "write_bandwidth": nbytes / write_s, "read_seconds": read_s, "read_bandwidth": read / read_s,
+            "read_cache_dropped": cache_dropped, "note": note}
+
+
+# ---------------------------------------------------------------- all-reduce between processes
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], target: float) -> None:
+    """One rank of the all-reduce test; rank 0 prints the per-size results as one JSON line."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=dt.timedelta(seconds=30))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rows = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        for _ in range(2):
+            dist.all_reduce(x)  # warm-up: connections and buffers
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dist.all_reduce(x)
+        _sync(device)
+        one = (time.perf_counter() - t0) / 5
+        # Both ranks must run the same loops: rank 0 decides the count and broadcasts it.
+        count = torch.tensor([max(2, min(1000, int(target / 3 / max(one, 1e-7))))], dtype=torch.int64, device=device)
+        dist.broadcast(count, 0)
+        n = int(count.item())
+        best = float("inf")
+        for _ in range(3):  # best of three segments: a shared machine's hiccups hit some, not all
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            _sync(device)
+            took = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64, device=device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+            best = min(best, float(took.item()))
+        rows.append({"bytes": nbytes, "seconds": best, "iterations": 3 * n})
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(rows), flush=True)
+
+
+def measure_allreduce(quick: bool, timeout: float | None = None) -> dict:
+    """Two local processes, one thread each; gloo on CPU, NCCL when two GPUs exist.
+    Returns {"error": ...} rather than raising: the rest of the profile is still worth writing."""
+    world = 2
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if n_gpu >= 2 else "gloo"
+    note = "" if n_gpu != 1 else "one GPU: NCCL needs two, so this is gloo between CPU processes"
+    sizes = ([4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB] if quick else
+             [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB])
+    target = 0.05 if quick else 0.2
+    timeout = timeout or (90.0 if quick else 180.0)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    src = str(Path(__file__).resolve().parents[2])  # the directory holding the hardy package
+    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # stay on loopback whatever the hostname resolves to
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            args = json.dumps([rank, world, port, backend, sizes, target])
+            procs.append(subprocess.Popen([sys.executable, "-m", "hardy.ops.probe", "--allreduce-worker", args],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        deadline = time.monotonic() + timeout
+        outs = []
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        return {"backend": backend, "error": f"all-reduce test did not finish within {timeout:.0f} s"}
+    finally:
+        for p in procs:  # never leave a rank behind, whatever happened
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        err = next((e for (_, e), p in zip(outs, procs) if p.returncode != 0), "")
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        return {"backend": backend, "error": f"all-reduce worker failed: {last}"}
+    try:
+        rows = json.loads(outs[0][0].strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"backend": backend, "error": "all-reduce worker printed no result"}
+    factor = 2 * (world - 1) / world  # nccl-tests "bus bandwidth" convention
+    for r in rows:
+        r["algorithm_bandwidth"] = r["bytes"] / r["seconds"]
+        r["bus_bandwidth"] = factor * r["bytes"] / r["seconds"]
+    return {"backend": backend, "processes": world, "threads_per_process": 1, "note": note, "sizes": rows,
+            "latency_s": rows[0]["seconds"], "bus_bandwidth": rows[-1]["bus_bandwidth"]}
+
+
+# ---------------------------------------------------------------- the probe
+
+def measure_training_runtime(directory: Path) -> dict:
+    """Memory a `hardy train` process holds beyond its tensors (allocator pools, thread stacks,
+    library workspaces, the data loader): a 3-step run of the `micro` preset, whose tensors the
+    planner predicts, in a child process. The planner adds it to every CPU prediction."""
+    import tempfile
+
+    from hardy.data.prepare import prepare
+    from hardy.data.text import resolve_text_path
+    from hardy.plan.check import job_for_run, read_run
+    from hardy.plan.hardware import hardware_from_dict
+    from hardy.plan.train import plan_train
+
+    with tempfile.TemporaryDirectory(prefix="hardy-probe-", dir=directory) as tmp:
+        tmp = Path(tmp)
+        text = tmp / "text.txt"
+        text.write_text(resolve_text_path("tinyshakespeare").read_text()[:60_000])
+        prepare([str(text)], "bpe:512", tmp / "data", seed=0)
+        (tmp / "empty.toml").write_text("")
+        sets = ["model.preset=micro", f"data.path={tmp / 'data'}", "data.seq_len=64", "train.micro_batch=4",
+                "train.steps=3", "train.threads=1", "log.progress=false", "checkpoint.at_end=false",
+                "checkpoint.interval=0", "optim.warmup_steps=1", "train.release_memory=true"]
+        cmd = [sys.executable, "-m", "hardy", "train", "--run-dir", str(tmp / "run"), str(tmp / "empty.toml")]
+        cmd += [a for s in sets for a in ("--set", s)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["hardy train failed"])[-1],
+                    "runtime_overhead_bytes": 0}
+        config, events = read_run(tmp / "run")
+    peak = max(e["peak_mem_bytes"] for e in events if e.get("event") == "step")
+    nominal = hardware_from_dict("nominal-cpu", {  # memory does not depend on the speeds
+        "kind": "cpu", "peak_tflops": {"fp32": 1.0}, "memory_gb": 1000, "bandwidth_gbs": 10, "flops_efficiency": 1,
+        "bandwidth_efficiency": 1, "devices_per_node": 1, "intra_node": {"name": "-", "bandwidth_gbs": 1,
+                                                                        "latency_us": 1},
+        "inter_node": {"name": "-", "bandwidth_gbs": 1, "latency_us": 1}})
+    tensors = plan_train(job_for_run(config, nominal)).peak_memory
+    return {"model": "micro", "seq": 64, "micro_batch": 4, "threads": 1, "peak_bytes": peak,
+            "predicted_tensor_bytes": tensors, "runtime_overhead_bytes": max(0.0, peak - tensors)}
+
+
+def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HardyError(f"--dir {directory}: not a directory")
+    start = time.perf_counter()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    profile: dict = {"schema": SCHEMA, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds").replace("+00:00", "Z"), "quick": quick, "hostname": socket.gethostname(),
+        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+        "threads": torch.get_num_threads(), "device": device.type}
+
+    def system():
+        profile["cpu"], profile["gpu"] = cpu_info(), gpu_info()
+
+    def matmul():
+        dtypes = _matmul_all(device, quick)
+        fp32 = dtypes["fp32"]["best_flops"]
+        if device.type == "cuda":
+            fast_bf16 = fast_fp16 = torch.cuda.is_bf16_supported()
+        else:  # measured, not guessed from flags: a torch build may not use the ISA at all
+            fast_bf16 = dtypes["bf16"]["best_flops"] >= 0.5 * fp32
+            fast_fp16 = dtypes["fp16"]["best_flops"] >= 0.5 * fp32
+        profile["matmul"] = {"device": device.type, "threads": torch.get_num_threads(), "dtypes": dtypes,
+                             "fast_bf16": fast_bf16, "fast_fp16": fast_fp16}
+
+    def memory():
+        big = (1 << 30) if device.type == "cuda" else 512 * MiB
+        profile["memory"] = measure_copy_bandwidth(device, big // 4 if quick else big, 3 if quick else 5)
+
+    def dispatch():
+        profile["dispatch"] = measure_op_overhead(device, repeats=5 if quick else 20)
+
+    def disk():
+        profile["disk"] = measure_disk(directory, (64 if quick else 256) * MiB)
+
+    def allreduce():
+        profile["allreduce"] = measure_allreduce(quick)
+
+    def training():
+        profile["training_runtime"] = measure_training_runtime(directory) if device.type == "cpu" else None
+
+    steps = [("system", system), ("matmul", matmul), ("memory bandwidth", memory), ("dispatch", dispatch),
+             ("disk", disk), ("all-reduce", allreduce), ("training runtime", training)]
+    with tqdm(total=len(steps), disable=not progress, file=sys.stderr, unit="step", leave=False) as bar:
+        for name, step in steps:
+            bar.set_description(f"probe: {name}")
+            step()
+            bar.update()
+    profile["duration_s"] = time.perf_counter() - start
+    return profile
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--allreduce-worker":
+        _allreduce_worker(*json.loads(argv[1]))
+        return 0
+    print("usage: hardy probe (this module's entry point is internal)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,183 @@
+"""Hardware entries for the planner: the editable catalogue (catalogue.toml) and probe profiles.
+
+One `Hardware` describes one *device* — a GPU, or one CPU socket (one process per socket/NUMA
+node, the way CPU servers run) — and the node it sits in. Efficiency factors (the achievable
+fraction of peak FLOP/s, memory bandwidth and link bandwidth) come from one documented source or
+measurement per entry and are the same for every workload: the planner never tunes them per case.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hardy.errors import HardyError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CATALOGUE = Path(__file__).with_name("catalogue.toml")
+DTYPES = ("fp32", "bf16", "fp16", "int8")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective fabric as one device sees it: unidirectional bytes/s per device and per-hop latency."""
+
+    name: str
+    bandwidth: float  # bytes/s per device, one direction
+    latency: float  # seconds per collective hop
+    efficiency: float = 0.8  # achievable fraction of `bandwidth` for large collectives
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    kind: str  # "gpu" or "cpu" (a CPU entry's device is one socket)
+    description: str
+    peak_flops: dict[str, float]  # dense FLOP/s per dtype (fp32, bf16, fp16, int8 where known)
+    memory_bytes: float  # per device
+    memory_bandwidth: float  # bytes/s per device
+    flops_efficiency: float  # achievable fraction of peak FLOP/s in large GEMMs
+    bandwidth_efficiency: float  # achievable fraction of peak memory bandwidth (stream copy / decode)
+    devices_per_node: int
+    intra_node: Link  # NVLink / xGMI / UPI / shared memory
+    inter_node: Link  # InfiniBand / Ethernet (per device share of the node's NICs)
+    disk_write_bandwidth: float  # bytes/s per node, to checkpoint storage
+    price_per_device_hour: float | None  # USD; None when unknown
+    device_mtbf_hours: float | None = None  # None: the Llama 3 default (hardy.fault.policy)
+    fast_bf16: bool = True  # False: bf16/fp16 matmul is emulated (AVX2 CPUs) and must not be planned
+    cores: int | None = None  # CPU cores per device (CPU entries)
+    # Host cost per operator: GPU kernel-launch latency; CPU eager dispatch (Python + ATen). A probe
+    # profile measures it; catalogue default: 5 µs GPU launch, 8 µs CPU dispatch.
+    op_overhead_s: float = 0.0
+    # Memory a training process holds beyond its tensors (allocator pools, thread stacks, library
+    # workspaces): measured by `hardy probe` for CPU hosts; 0 in the catalogue, whose GPU figures are
+    # compared with allocated tensor memory.
+    runtime_overhead_bytes: float = 0.0
+    sources: tuple[str, ...] = ()
+    date: str = ""  # when the figures (prices above all) were last checked
+    efficiency_source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise HardyError(f"hardware {self.name!r} has no peak FLOP/s for {dtype} "
+                             f"(known: {', '.join(sorted(self.peak_flops))})")
+        return self.peak_flops[dtype]
+
+    def achievable_flops(self, dtype: str) -> float:
+        return self.peak(dtype) * self.flops_efficiency
+
+    def achievable_bandwidth(self) -> float:
+        return self.memory_bandwidth * self.bandwidth_efficiency
+
+    def link(self, group_size: int) -> Link:
+        """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
+        return self.intra_node if group_size <= self.devices_per_node else self.inter_node
+
+    def split(self, processes: int) -> "Hardware":
+        """The share of one device that each of `processes` processes gets (a CPU host running
+        several training processes): compute, bandwidth and memory divide; links stay."""
+        if processes <= 1:
+            return self
+        return dataclasses.replace(
+            self, name=f"{self.name}/{processes}", peak_flops={k: v / processes for k, v in self.peak_flops.items()},
+            memory_bytes=self.memory_bytes / processes, memory_bandwidth=self.memory_bandwidth / processes,
+            cores=None if self.cores is None else max(1, self.cores // processes), devices_per_node=processes,
+            op_overhead_s=self.op_overhead_s,
+            disk_write_bandwidth=self.disk_write_bandwidth)
+
+
+def _link(data: dict, where: str) -> Link:
+    try:
+        return Link(name=str(data["name"]), bandwidth=float(data["bandwidth_gbs"]) * 1e9,
+                    latency=float(data["latency_us"]) * 1e-6, efficiency=float(data.get("efficiency", 0.8)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise HardyError(f"{where}: bad link entry ({e})") from None
+
+
+def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardware:
+    """One catalogue table → Hardware (units in the file: TFLOP/s, GB, GB/s, µs, USD/h)."""
+    try:
+        peak = {k: float(v) * 1e12 for k, v in data["peak_tflops"].items()}
+        unknown = sorted(set(peak) - set(DTYPES))
+        if unknown:
+            raise ValueError(f"unknown dtype(s) {', '.join(unknown)}")
+        return Hardware(
+            name=name, kind=str(data["kind"]), description=str(data.get("description", "")), peak_flops=peak,
+            memory_bytes=float(data["memory_gb"]) * 1e9, memory_bandwidth=float(data["bandwidth_gbs"]) * 1e9,
+            flops_efficiency=float(data["flops_efficiency"]), bandwidth_efficiency=float(data["bandwidth_efficiency"]),
+            devices_per_node=int(data["devices_per_node"]), intra_node=_link(data["intra_node"], f"{where} [{name}]"),
+            inter_node=_link(data["inter_node"], f"{where} [{name}]"),
+            disk_write_bandwidth=float(data.get("disk_write_gbs", 2.0)) * 1e9,
+            price_per_device_hour=None if data.get("price_per_device_hour") is None
+            else float(data["price_per_device_hour"]),
+            device_mtbf_hours=None if data.get("device_mtbf_hours") is None else float(data["device_mtbf_hours"]),
+            fast_bf16=bool(data.get("fast_bf16", True)), cores=data.get("cores"),
+            op_overhead_s=float(data.get("op_overhead_us", 5.0 if data["kind"] == "gpu" else 8.0)) * 1e-6,
+            sources=tuple(data.get("sources", ())), date=str(data.get("date", "")),
+            efficiency_source=str(data.get("efficiency_source", "")))
+    except HardyError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise HardyError(f"{where} [{name}]: bad or missing field ({e})") from None
+
+
+def load_catalogue(path: Path | None = None) -> dict[str, Hardware]:
+    path = Path(path) if path is not None else CATALOGUE
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise HardyError(f"cannot read hardware catalogue {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise HardyError(f"hardware catalogue {path} is not valid TOML: {e}") from None
+    entries = data.get("hardware")
+    if not isinstance(entries, dict) or not entries:
+        raise HardyError(f"hardware catalogue {path} has no [hardware.NAME] tables")
+    return {name: hardware_from_dict(name, entry, str(path)) for name, entry in entries.items()}
+
+
+def get_hardware(name: str, catalogue: Path | None = None) -> Hardware:
+    """A catalogue entry by name, or `probe:FILE` for a profile written by `hardy probe`."""
+    if name.startswith("probe:"):
+        from hardy.plan.probe_profile import hardware_from_profile_file
+
+        return hardware_from_profile_file(Path(name[len("probe:"):]))
+    entries = load_catalogue(catalogue)
+    if name not in entries:
+        raise HardyError(f"unknown hardware {name!r} (catalogue: {', '.join(entries)}; or probe:FILE)")
+    return entries[name]
+
+
+def describe_hardware(hw: Hardware) -> list[tuple[str, str]]:
+    """Readable (label, value) rows for listings such as `hardy plan hardware`."""
+    def link(k: Link) -> str:
+        return (f"{k.name}: {k.bandwidth / 1e9:,.1f} GB/s per device, {k.latency * 1e6:.1f} µs, "
+                f"efficiency {k.efficiency:.2f}")
+
+    def tflops(v: float) -> str:
+        return f"{v / 1e12:,.1f}" if v >= 1e12 else f"{v / 1e12:.3g}"
+
+    unit = "socket" if hw.kind == "cpu" else "device"
+    order = sorted(hw.peak_flops, key=lambda d: DTYPES.index(d) if d in DTYPES else len(DTYPES))
+    peaks = ", ".join(f"{d} {tflops(hw.peak_flops[d])}" for d in order)
+    rows = [("kind", hw.kind + (f", {hw.cores} cores per {unit}" if hw.cores else "")),
+            ("description", hw.description),
+            ("peak TFLOP/s (dense)", peaks + ("" if hw.fast_bf16 else "  (bf16/fp16 emulated: slow)")),
+            ("memory", f"{hw.memory_bytes / 1e9:,.1f} GB per {unit}"),
+            ("memory bandwidth", f"{hw.memory_bandwidth / 1e9:,.1f} GB/s per {unit}"),
+            ("efficiency", f"GEMM {hw.flops_efficiency:.2f}, memory {hw.bandwidth_efficiency:.2f}"),
+            (f"{unit}s per node", str(hw.devices_per_node)),
+            ("intra-node link", link(hw.intra_node)),
+            ("inter-node link", link(hw.inter_node)),
+            ("checkpoint disk", f"{hw.disk_write_bandwidth / 1e9:,.1f} GB/s per node"),
+            ("price", "unknown" if hw.price_per_device_hour is None
+             else f"USD {hw.price_per_device_hour:,.2f} per {unit}-hour (approximate)"),
+            ("MTBF", "Llama 3 default" if hw.device_mtbf_hours is None else f"{hw.device_mtbf_hours:,.0f} h per {unit}"),
+            ("efficiency source", hw.efficiency_source or "not given")]
+    rows += [("source", s) for s in hw.sources]
+    rows.append(("date", hw.date or "not given"))
+    return rows

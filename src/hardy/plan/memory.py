@@ -1,0 +1,129 @@
+"""Training memory per device: model states (ZeRO/FSDP), activations per recompute mode, buffers.
+
+Model states (ZeRO, Rajbhandari et al. 2020): with w, g, o bytes per parameter for weights,
+gradients and optimizer states and d data-parallel ranks sharing them,
+    ZeRO-0  (w + g + o)·Ψ      ZeRO-1  (w + g)·Ψ + o·Ψ/d
+    ZeRO-2  w·Ψ + (g + o)·Ψ/d  ZeRO-3  (w + g + o)·Ψ/d
+Mixed precision Adam: w = 2, g = 2, o = 12 (fp32 master, m, v); pure fp32 Adam: 4, 4, 8.
+
+Activations per layer and micro-batch, from what autograd actually keeps:
+- GPT-style (Korthikanti et al. 2022): 16-bit s·b·h·(34 + 5·a·s/h); built here from its parts so
+  tensor/sequence parallelism, recompute, dropout and the activation dtype are explicit.
+- hardy's Llama (SwiGLU, GQA, flash-attention SDPA that keeps no s×s matrix), counted from the
+  tensors autograd saves in `model/llama.py` (checked by `tests/test_plan_memory.py`):
+  per token, in the activation dtype, 3h per RMSNorm (input, normalized, scaled output) ×2,
+  q and the attention output (a·d_h each), k and v (n_kv·d_h each), 4f for the SwiGLU MLP
+  (gate, silu(gate), up, their product); plus fp32 per token: two RMSNorm 1/rms and a
+  log-sum-exp per head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardy.errors import HardyError
+from hardy.plan.arch import Arch
+
+# bytes per parameter: weights, gradients, optimizer states (AdamW)
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RECOMPUTE = ("none", "selective", "full")
+
+
+def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
+                      offload: str = "none") -> dict[str, float]:
+    """Per-device bytes of weights, gradients and optimizer states for `params` parameters held by
+    this model-parallel rank, sharded over `dp` ranks by ZeRO stage `zero` (3 = FSDP full shard).
+
+    offload "optimizer" keeps optimizer states (and, as ZeRO-Offload does, fp32 gradients) in host
+    memory; "params" also the weights (ZeRO-3 only). Host bytes are returned under "host".
+    """
+    if zero not in (0, 1, 2, 3):
+        raise HardyError(f"ZeRO stage must be 0, 1, 2 or 3 (got {zero})")
+    if offload not in ("none", "optimizer", "params"):
+        raise HardyError(f"offload must be none, optimizer or params (got {offload!r})")
+    if offload == "params" and zero != 3:
+        raise HardyError("parameter offload needs ZeRO-3 / FSDP full sharding (--zero 3)")
+    w, g, o = STATE_BYTES[precision]
+    shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[zero]
+    weights, grads, optim = w * params / shard[0], g * params / shard[1], o * params / shard[2]
+    host = 0.0
+    if offload in ("optimizer", "params"):
+        host += optim + grads
+        optim, grads = 0.0, 0.0
+    if offload == "params":
+        host += weights
+        weights = 0.0
+    return {"weights": weights, "gradients": grads, "optimizer": optim, "host": host}
+
+
+@dataclass(frozen=True)
+class ActivationSetup:
+    seq: int
+    micro_batch: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    precision: str = "bf16"
+
+
+def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None = None) -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one tensor-parallel rank."""
+    recompute = a.recompute if recompute is None else recompute
+    if recompute not in RECOMPUTE:
+        raise HardyError(f"recompute must be one of {', '.join(RECOMPUTE)} (got {recompute!r})")
+    tokens, e, t = a.seq * a.micro_batch, ACT_BYTES[a.precision], a.tp
+    rep = t if a.sequence_parallel else 1  # what TP alone leaves replicated is split by SP
+    if recompute == "full":  # only the layer input is kept
+        return tokens * arch.dim * e / rep
+    if arch.family == "gpt":
+        mask = 1 if arch.dropout else 0
+        # replicated under TP: LN1 input, QKV input, LN2 input, MLP input (e each), two dropout masks
+        replicated = tokens * arch.dim * (4 * e + 2 * mask)
+        # split by TP: Q, K, V, projection input (e·h each), GeLU input and output (e·f each)
+        split = tokens * (4 * arch.dim * e + 2 * arch.ffn_dim * e)
+        # s×s per head: softmax output (e), dropout mask (1), dropout output (e)
+        scores = a.micro_batch * arch.n_heads * a.seq * a.seq * ((2 * e + 1) if arch.dropout else e)
+        if recompute == "selective":
+            scores = 0.0
+        return replicated / rep + (split + scores) / t
+    if recompute == "selective":
+        raise HardyError("selective recompute applies to GPT-style attention that keeps s×s scores; hardy's "
+                         "Llama attention keeps none (flash SDPA): use --ac none, full or every:K")
+    replicated = tokens * (6 * arch.dim * e + 2 * 4)  # two RMSNorms (input, normalized, output) + 1/rms
+    split = tokens * ((2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.ffn_dim) * e + 4 * arch.n_heads)
+    return replicated / rep + split / t
+
+
+def output_activation_bytes(arch: Arch, a: ActivationSetup) -> tuple[float, float]:
+    """(kept for backward, transient during the forward) bytes of the LM head and loss, per
+    micro-batch on the last pipeline stage.
+
+    hardy's Llama uses a fused, chunked linear cross-entropy: it keeps d(loss)/d(hidden) (h per
+    token) and d(loss)/d(head weight) (fp32, V·h), plus the final RMSNorm (3h + 1/rms per token);
+    its chunk logits (≤ 2^24 fp32 values, twice: logits and log-softmax) exist only while the loss
+    is computed. GPT-style (Megatron): final LayerNorm input and fp32 logits, split by TP, kept.
+    """
+    tokens, e, t = a.seq * a.micro_batch, ACT_BYTES[a.precision], a.tp
+    if arch.family == "gpt":
+        return tokens * arch.dim * e / (t if a.sequence_parallel else 1) + 4 * tokens * arch.vocab_size / t, 0.0
+    chunk_rows = min(tokens, max(1, (1 << 24) // arch.vocab_size))
+    kept = tokens * (4 * arch.dim * e + 4) + 4 * arch.vocab_size * arch.dim
+    return kept, 2 * 4 * chunk_rows * arch.vocab_size
+
+
+def deepspeed_zero2_gpu_bytes(params: float, gpus: int, offload_optimizer: bool) -> float:
+    """DeepSpeed's own ZeRO-2 estimate (model states only, its accounting): 2Ψ with the optimizer
+    offloaded to CPU, else 4Ψ + 16Ψ/d (reference.md validation case 2)."""
+    return 2 * params if offload_optimizer else 4 * params + 16 * params / gpus
+
+
+def deepspeed_zero3_gpu_bytes(params: float, largest_layer_params: float, gpus: int, offload_optimizer: bool,
+                              offload_params: bool) -> float:
+    """DeepSpeed's own ZeRO-3 estimate: the largest layer gathered in fp32 (4 bytes/param) plus the
+    device's shard of fp16 parameters (2Ψ/d) unless offloaded, plus 16Ψ/d more without any offload."""
+    largest = 4 * largest_layer_params
+    if offload_optimizer and offload_params:
+        return largest
+    if offload_optimizer:
+        return largest + 2 * params / gpus
+    return largest + 18 * params / gpus

@@ -1,0 +1,346 @@
+"""`hardy plan serve`: memory, latency, throughput and cost of serving a Llama-family model.
+
+A roofline model of one request and of one decode step: a step takes the longer of streaming its
+bytes at the achievable memory bandwidth and doing its FLOPs at the achievable FLOP/s, plus the
+tensor-parallel all-reduces, which are not overlapped. Every formula and the assumption behind it
+is written out in docs/planner-serve.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from hardy.errors import HardyError
+from hardy.model.config import ModelConfig, count_parameters
+from hardy.plan.hardware import Hardware, Link
+
+GROUP = 32  # int8/int4 group size along the reduction dimension (a multiple of 32 in every Llama)
+# Bytes per weight with the quantization scales: int8 = 1 byte + one fp16 scale per group of 32
+# (hardy's planned int8 g32 layout); int4 = 4 bits + fp16 scale + fp16 zero per group (GGUF Q4_1).
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 2 / GROUP, "int4": 0.5 + 4 / GROUP}
+QUANTS = tuple(BYTES_PER_WEIGHT)
+KV_DTYPES = ("fp32", "fp16", "bf16", "int8")
+RESERVE = 0.10  # of device memory kept for activations, logits, allocator slack and the runtime
+SMALLER = {"fp32": ("fp16", "int8", "int4"), "fp16": ("int8", "int4"), "bf16": ("int8", "int4"),
+           "int8": ("int4",), "int4": ()}
+
+
+def kv_elem_bytes(kv_dtype: str, head_dim: int) -> float:
+    """int8 KV keeps one fp16 scale per head vector (per token, per layer, per K or V)."""
+    if kv_dtype == "int8":
+        return 1 + 2 / head_dim
+    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}[kv_dtype]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The parameters one device holds under tensor parallelism over `devices` (Megatron layout:
+    heads and FFN columns split, vocabulary split for the embedding and LM head, norms replicated)."""
+
+    q_heads: int
+    kv_heads: int
+    kv_replicated: bool
+    matmul: int  # attention + MLP matrices of all layers: quantized, read every step
+    head: int  # the LM head (a tied embedding is only this): quantized, read every step
+    embedding: int  # an untied input embedding: quantized, one row read per token
+    norms: int  # RMSNorm weights: replicated, kept in 16 bits (32 for fp32)
+
+
+def shard(model: ModelConfig, devices: int) -> Shard:
+    if devices < 1:
+        raise HardyError(f"--devices must be >= 1 (got {devices})")
+    if model.n_heads % devices:
+        fits = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]
+        raise HardyError(f"tensor parallelism over {devices} devices needs n_heads ({model.n_heads}) divisible "
+                         f"by {devices}; use {', '.join(map(str, fits))} devices")
+    q = model.n_heads // devices
+    group = model.n_heads // model.n_kv_heads
+    # A device needs every KV head its query heads read: n_kv / devices when that divides,
+    # otherwise KV heads are replicated (each device keeps the ones its query heads use).
+    kv = max(((i + 1) * q - 1) // group - (i * q) // group + 1 for i in range(devices))
+    d, dh, L = model.dim, model.d_head, model.n_layers
+    vocab = math.ceil(model.vocab_size / devices)
+    counts = count_parameters(model)
+    return Shard(q_heads=q, kv_heads=kv, kv_replicated=kv * devices > model.n_kv_heads,
+                 matmul=L * (2 * d * q * dh + 2 * d * kv * dh + 3 * d * math.ceil(model.ffn_dim / devices)),
+                 head=vocab * d, embedding=0 if model.tie_embeddings else vocab * d, norms=counts.norms)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "fp16", kv_heads: int | None = None) -> float:
+    """K and V of every layer for one token of one sequence: 2 · L · n_kv · d_h · bytes."""
+    kv = model.n_kv_heads if kv_heads is None else kv_heads
+    return 2 * model.n_layers * kv * model.d_head * kv_elem_bytes(kv_dtype, model.d_head)
+
+
+def weight_bytes(model: ModelConfig, quant: str, devices: int = 1) -> float:
+    """Bytes of weights one device stores (at devices=1: the whole model)."""
+    s = shard(model, devices)
+    return (s.matmul + s.head + s.embedding) * BYTES_PER_WEIGHT[_quant(quant)] + s.norms * _norm_bytes(quant)
+
+
+def allreduce_s(link: Link, nbytes: float, devices: int) -> float:
+    """Ring all-reduce: each device sends and receives 2(D-1)/D of the message, plus one latency."""
+    if devices <= 1:
+        return 0.0
+    return link.latency + 2 * (devices - 1) / devices * nbytes / (link.bandwidth * link.efficiency)
+
+
+def _quant(quant: str) -> str:
+    if quant not in BYTES_PER_WEIGHT:
+        raise HardyError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
+    return quant
+
+
+def _norm_bytes(quant: str) -> float:
+    return 4.0 if quant == "fp32" else 2.0
+
+
+@dataclass
+class ServePlan:
+    model: str
+    hardware: str
+    devices: int
+    quant: str
+    kv_dtype: str
+    compute_dtype: str
+    context: int
+    prompt_tokens: int
+    output_tokens: int
+    batch: int
+    max_batch: int
+    reserve_fraction: float
+    bytes_per_weight: float
+    weight_bytes: float  # whole model
+    weight_bytes_per_device: float
+    kv_bytes_per_token: float  # whole model, one sequence
+    kv_heads_per_device: int
+    kv_replicated: bool
+    kv_bytes_per_sequence_per_device: float  # at `context`
+    memory_per_device: float  # weights + batch sequences of KV at `context`
+    usable_memory_per_device: float
+    prefill_s: float  # = time to first token on an idle server
+    prefill_tokens_per_s: float
+    step_s: float  # = time per output token
+    step_memory_s: float
+    step_compute_s: float
+    step_allreduce_s: float
+    step_bytes_per_device: float
+    step_flops_per_device: float
+    bound: str  # "memory bandwidth" or "compute"
+    decode_tokens_per_s: float  # per sequence
+    decode_tokens_per_s_batch: float  # all sequences of the batch
+    request_latency_s: float
+    throughput_tokens_per_s: float  # output tokens, prefills included
+    requests_per_s: float
+    cost_per_hour: float | None
+    cost_per_million_tokens: float | None
+    max_batch_throughput_tokens_per_s: float
+    max_batch_cost_per_million_tokens: float | None
+    qps: float | None = None
+    qps_sustained: bool | None = None
+    qps_max: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        def cost(v):
+            return "n/a (no price)" if v is None else f"${v:,.2f}"
+
+        kv_split = "replicated" if self.kv_replicated else "split"
+        rows = [
+            ("model / hardware", f"{self.model} on {self.devices} × {self.hardware}"),
+            ("weights / KV / compute dtype", f"{self.quant} ({self.bytes_per_weight:.4g} B/weight) / "
+                                             f"{self.kv_dtype} / {self.compute_dtype}"),
+            ("request", f"{self.prompt_tokens} prompt + {self.output_tokens} output tokens "
+                        f"(context {self.context})"),
+            ("weights", f"{_gb(self.weight_bytes)} total, {_gb(self.weight_bytes_per_device)} per device"),
+            ("KV cache per token", f"{self.kv_bytes_per_token / 1024:,.1f} KiB per sequence; "
+                                   f"{self.kv_heads_per_device} KV heads per device ({kv_split})"),
+            ("KV cache per sequence", f"{_gb(self.kv_bytes_per_sequence_per_device)} per device at "
+                                      f"context {self.context}"),
+            ("memory per device", f"{_gb(self.memory_per_device)} of {_gb(self.usable_memory_per_device)} "
+                                  f"usable ({self.reserve_fraction:.0%} reserved) at batch {self.batch}"),
+            ("largest batch that fits", f"{self.max_batch:,}"),
+            ("prefill (time to first token)", f"{_ms(self.prefill_s)} ({self.prefill_tokens_per_s:,.0f} "
+                                              f"tokens/s)"),
+            ("decode step (time per token)", f"{_ms(self.step_s)}, {self.bound}-bound (memory "
+                                             f"{_ms(self.step_memory_s)}, compute {_ms(self.step_compute_s)}"
+                                             + (f", all-reduce {_ms(self.step_allreduce_s)})"
+                                                if self.devices > 1 else ")")),
+            ("decode tokens/s", f"{self.decode_tokens_per_s:,.1f} per sequence, "
+                                f"{self.decode_tokens_per_s_batch:,.1f} for the batch of {self.batch}"),
+            ("request latency", f"{self.request_latency_s:,.2f} s"),
+            ("throughput", f"{self.throughput_tokens_per_s:,.1f} output tokens/s, "
+                           f"{self.requests_per_s:,.3g} requests/s"),
+            ("cost per 1M output tokens", cost(self.cost_per_million_tokens)),
+            (f"at the largest batch ({self.max_batch:,})",
+             f"{self.max_batch_throughput_tokens_per_s:,.1f} output tokens/s, "
+             f"{cost(self.max_batch_cost_per_million_tokens)} per 1M"),
+        ]
+        if self.qps is not None:
+            verdict = (f"sustained at batch {self.batch}" if self.qps_sustained else
+                       f"NOT sustainable (at most {self.qps_max:,.3g} requests/s)")
+            rows.append((f"{self.qps:g} requests/s", verdict))
+        rows += [("note", n) for n in self.notes]
+        return rows
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB" if x >= 1e8 else f"{x / 1e6:,.2f} MB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.3g} ms" if s < 10 else f"{s:,.1f} s"
+
+
+def compute_dtype_for(quant: str, hw: Hardware) -> str:
+    """fp32 weights compute in fp32; 16-bit and weight-only int8/int4 in bf16 where it is native."""
+    return "fp32" if quant == "fp32" or not hw.fast_bf16 else "bf16"
+
+
+def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = "fp16", context: int = 2048,
+               output_tokens: int = 256, batch: int | None = None, qps: float | None = None,
+               prompt_tokens: int | None = None, kv_dtype: str | None = None) -> ServePlan:
+    quant = _quant(quant)
+    kv_dtype = kv_dtype or ("fp32" if quant == "fp32" else "fp16")
+    if kv_dtype not in KV_DTYPES:
+        raise HardyError(f"unknown KV cache dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    if batch is not None and qps is not None:
+        raise HardyError("give --batch or --qps, not both")
+    if output_tokens < 1 or context < 2:
+        raise HardyError(f"--output-tokens must be >= 1 and --context >= 2 (got {output_tokens}, {context})")
+    if context > model.max_seq_len:
+        raise HardyError(f"--context {context} exceeds {model.name}'s maximum of {model.max_seq_len} tokens")
+    # Default request: a prompt that fills the context up to the output.
+    prompt = context - output_tokens if prompt_tokens is None else prompt_tokens
+    if prompt < 1 or prompt + output_tokens > context:
+        raise HardyError(f"prompt ({prompt}) + output ({output_tokens}) tokens must fit the context ({context}); "
+                         "a prompt needs at least 1 token")
+    if batch is not None and batch < 1:
+        raise HardyError(f"--batch must be >= 1 (got {batch})")
+    if qps is not None and not qps > 0:
+        raise HardyError(f"--qps must be > 0 (got {qps})")
+
+    s = shard(model, devices)
+    bpw = BYTES_PER_WEIGHT[quant]
+    compute = compute_dtype_for(quant, hw)
+    flops_rate = hw.achievable_flops(compute)
+    bandwidth = hw.achievable_bandwidth()
+    act_bytes = 4 if compute == "fp32" else 2
+    link = hw.link(devices)
+    L, dim, dh = model.n_layers, model.dim, model.d_head
+
+    w_dev = weight_bytes(model, quant, devices)
+    w_read = (s.matmul + s.head) * bpw + s.norms * _norm_bytes(quant)  # the input embedding is a lookup
+    row_read = 0.0 if model.tie_embeddings else dim * bpw  # one embedding row per sequence per token
+    kv_tok_dev = kv_bytes_per_token(model, kv_dtype, s.kv_heads)
+    kv_seq_dev = kv_tok_dev * context
+    usable = hw.memory_bytes * (1 - RESERVE)
+    max_batch = math.floor((usable - w_dev) / kv_seq_dev) if usable > w_dev else 0
+    if max_batch < 1:
+        raise HardyError(_not_fit(model, hw, devices, quant, kv_dtype, context, w_dev + kv_seq_dev, usable))
+    if batch is not None and batch > max_batch:
+        raise HardyError(f"batch {batch} does not fit: {_gb(w_dev + batch * kv_seq_dev)} per device > "
+                         f"{_gb(usable)} usable; the largest batch at context {context} is {max_batch}")
+
+    # Prefill of one prompt: all its tokens through the matmuls, the LM head on the last position
+    # only, causal attention over P(P+1)/2 query-key pairs; the weights are read once.
+    pf_flops = 2 * s.matmul * prompt + 2 * s.head + 4 * L * s.q_heads * dh * prompt * (prompt + 1) / 2
+    pf_bytes = w_read + row_read * prompt + kv_tok_dev * prompt
+    prefill = (max(pf_flops / flops_rate, pf_bytes / bandwidth)
+               + 2 * L * allreduce_s(link, prompt * dim * act_bytes, devices))
+
+    # A decode step at the average context over the generation (the first token comes from prefill).
+    avg_ctx = prompt + output_tokens / 2
+
+    def step(b: int) -> tuple[float, float, float, float, float, float]:
+        nbytes = w_read + b * (row_read + kv_tok_dev * avg_ctx)
+        flops = b * (2 * (s.matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
+        comm = 2 * L * allreduce_s(link, b * dim * act_bytes, devices)
+        mem_s, comp_s = nbytes / bandwidth, flops / flops_rate
+        return max(mem_s, comp_s) + comm, mem_s, comp_s, comm, nbytes, flops
+
+    def latency(b: int) -> float:
+        # Each request waits through b prefills (its own and those of the b - 1 sequences that share
+        # its batch) and output_tokens - 1 decode steps.
+        return b * prefill + (output_tokens - 1) * step(b)[0]
+
+    def capacity(b: int) -> float:  # requests/s a server running batch b completes (Little's law)
+        return b / latency(b)
+
+    qps_sustained = qps_max = None
+    notes = []
+    if qps is not None:
+        qps_max = capacity(max_batch)  # capacity grows with the batch: per-step cost per sequence falls
+        qps_sustained = qps <= qps_max
+        if qps_sustained:
+            lo, hi = 1, max_batch  # smallest batch whose capacity reaches qps
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if capacity(mid) >= qps else (mid + 1, hi)
+            batch = lo
+            notes.append(f"{qps:g} requests/s × {latency(batch):.2f} s latency = "
+                         f"{qps * latency(batch):.1f} requests in flight (Little's law) <= batch {batch}")
+        else:
+            batch = max_batch
+            notes.append(f"cannot sustain {qps:g} requests/s: at most {qps_max:.3g} at the largest batch "
+                         f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
+    batch = batch or 1
+    step_s, mem_s, comp_s, comm_s, step_bytes, step_flops = step(batch)
+    if s.kv_replicated:
+        notes.append(f"{model.n_kv_heads} KV heads over {devices} devices: KV heads replicated, "
+                     f"{s.kv_heads} per device")
+    if quant in ("fp16", "bf16") and compute == "fp32":
+        notes.append(f"{hw.name} has no fast bf16/fp16 matmul: 16-bit weights computed in fp32")
+    price = None if hw.price_per_device_hour is None else hw.price_per_device_hour * devices
+
+    def per_million(tokens_per_s: float) -> float | None:
+        return None if price is None else price / 3600 / tokens_per_s * 1e6
+
+    req_latency = latency(batch)
+    throughput = batch * output_tokens / req_latency
+    max_throughput = max_batch * output_tokens / latency(max_batch)
+    return ServePlan(
+        model=model.name, hardware=hw.name, devices=devices, quant=quant, kv_dtype=kv_dtype, compute_dtype=compute,
+        context=context, prompt_tokens=prompt, output_tokens=output_tokens, batch=batch, max_batch=max_batch,
+        reserve_fraction=RESERVE, bytes_per_weight=bpw, weight_bytes=weight_bytes(model, quant, 1),
+        weight_bytes_per_device=w_dev, kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype),
+        kv_heads_per_device=s.kv_heads, kv_replicated=s.kv_replicated, kv_bytes_per_sequence_per_device=kv_seq_dev,
+        memory_per_device=w_dev + batch * kv_seq_dev, usable_memory_per_device=usable,
+        prefill_s=prefill, prefill_tokens_per_s=prompt / prefill, step_s=step_s, step_memory_s=mem_s,
+        step_compute_s=comp_s, step_allreduce_s=comm_s, step_bytes_per_device=step_bytes,
+        step_flops_per_device=step_flops, bound="memory bandwidth" if mem_s >= comp_s else "compute",
+        decode_tokens_per_s=1 / step_s, decode_tokens_per_s_batch=batch / step_s, request_latency_s=req_latency,
+        throughput_tokens_per_s=throughput, requests_per_s=batch / req_latency, cost_per_hour=price,
+        cost_per_million_tokens=per_million(throughput), max_batch_throughput_tokens_per_s=max_throughput,
+        max_batch_cost_per_million_tokens=per_million(max_throughput), qps=qps, qps_sustained=qps_sustained,
+        qps_max=qps_max, notes=notes)
+
+
+def _fits(model: ModelConfig, hw: Hardware, devices: int, quant: str, kv_dtype: str, context: int) -> bool:
+    s = shard(model, devices)
+    need = weight_bytes(model, quant, devices) + kv_bytes_per_token(model, kv_dtype, s.kv_heads) * context
+    return need <= hw.memory_bytes * (1 - RESERVE)
+
+
+def _not_fit(model, hw, devices, quant, kv_dtype, context, need, usable) -> str:
+    """One line: by how much batch 1 misses, and the device counts or quants that would fit."""
+    ways = []
+    more = next((d for d in range(devices + 1, model.n_heads + 1)
+                 if model.n_heads % d == 0 and _fits(model, hw, d, quant, kv_dtype, context)), None)
+    ways.append(f"{more} devices (tensor parallel)" if more else
+                f"no device count up to {model.n_heads} with {quant}")
+    for q in SMALLER[quant]:
+        if _fits(model, hw, devices, q, kv_dtype, context):
+            ways.append(f"{q} on {devices} device{'s' * (devices > 1)}")
+            break
+        d = next((d for d in range(devices + 1, model.n_heads + 1)
+                  if model.n_heads % d == 0 and _fits(model, hw, d, q, kv_dtype, context)), None)
+        if d:
+            ways.append(f"{q} on {d} devices")
+    return (f"{model.name} ({quant}) does not fit on {devices} × {hw.name}: {_gb(need)} per device for weights "
+            f"+ one {context}-token sequence of KV > {_gb(usable)} usable ({hw.memory_bytes / 1e9:.0f} GB less "
+            f"{RESERVE:.0%} reserve), short by {(need - usable) / 1e9:,.2f} GB; fits with {'; or '.join(ways)}")

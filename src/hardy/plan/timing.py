@@ -1,0 +1,191 @@
+"""Step time: compute roofline + exposed communication + pipeline bubble + optimizer step.
+
+Per micro-batch and pipeline stage, each layer costs
+  GEMMs        hardware FLOPs ÷ achievable FLOP/s (recompute adds a forward, or the attention core)
+  elementwise  bytes moved by norms, activations, softmax, dropout, residuals ÷ achievable bandwidth
+  TP           4 all-reduces of the layer's activations (2 forward, 2 backward; +2 with full recompute),
+               or as many all-gather + reduce-scatter pairs with sequence parallelism — not overlapped
+  dispatch     a per-operator host cost (CPU: Python + ATen dispatch, on the same cores; GPU: launch
+               latency, hidden behind kernels unless they are shorter)
+A step is (m + (p−1)/v) micro-batch times of the slowest stage (1F1B, v = virtual stages when
+interleaved), plus data-parallel gradient synchronization not hidden behind the last backward,
+plus the optimizer update (memory-bound: every state byte read and written once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardy.plan.arch import Arch
+from hardy.plan.hardware import Hardware, Link
+from hardy.plan.memory import ACT_BYTES, STATE_BYTES
+
+# Operators per transformer layer forward in the two implementations (backward ≈ 2× as many).
+OPS_PER_LAYER = {"llama": 30, "gpt": 24}
+# Memory traffic of the optimizer step per parameter: AdamW reads the gradient and reads + writes
+# the (master) weight, m and v (4 + 3 × 8); gradient clipping reads every gradient and zeroing
+# writes it (4 + 4); mixed precision also writes the 16-bit weight copy (2) and accumulates the
+# 16-bit gradient into an fp32 main gradient (2 + 8).
+ADAM_BYTES_PER_PARAM = {"fp32": 28 + 8, "bf16": 28 + 8 + 2 + 10, "fp16": 28 + 8 + 2 + 10}
+
+
+def ring_allreduce(nbytes: float, group: int, link: Link) -> float:
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / (link.bandwidth * link.efficiency) + 2 * (group - 1) * link.latency
+
+
+def ring_allgather(nbytes: float, group: int, link: Link) -> float:
+    """All-gather (or reduce-scatter) whose full result is `nbytes`."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    return (group - 1) / group * nbytes / (link.bandwidth * link.efficiency) + (group - 1) * link.latency
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    seq: int
+    micro_batch: int
+    micro_batches: int  # per step, per data-parallel replica (gradient accumulation / pipeline m)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    recompute: str = "none"  # none | selective | full
+    recompute_fraction: float = 1.0  # share of layers recomputed (every:K → 1/K)
+    sequence_parallel: bool = False
+    precision: str = "bf16"
+    virtual_stages: int = 1  # interleaved 1F1B
+    devices_per_process: float = 1.0  # CPU hosts: a process's share of the probed machine
+
+
+def compute_dtype(hw: Hardware, precision: str) -> str:
+    return precision if precision in hw.peak_flops else "fp32"
+
+
+def layer_gemm_flops(arch: Arch, s: StepSetup) -> tuple[float, float]:
+    """(forward GEMM FLOPs of one layer on one TP rank, of which the attention core)."""
+    tokens = s.seq * s.micro_batch
+    matmul_params = 2 * arch.dim * arch.q_dim + 2 * arch.dim * arch.kv_dim + (3 if arch.family == "llama" else 2) \
+        * arch.dim * arch.ffn_dim
+    # Q·K^T and P·V: 4·s·(a·d_h) per token; a causal flash kernel (hardy's SDPA) skips the masked half.
+    core = 4 * tokens * s.seq * arch.q_dim * (0.5 if arch.family == "llama" else 1.0)
+    return (2 * tokens * matmul_params + core) / s.tp, core / s.tp
+
+
+def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False) -> float:
+    """Bytes moved by the non-GEMM operators of one layer, forward + backward (backward ≈ 2× forward).
+
+    Forward, per token: each norm reads and writes h; residual adds read 2h and write h; the MLP
+    activation reads its input(s) and writes f; Llama applies RoPE to q and k; GPT's unfused softmax
+    and dropout each read and write a·s scores (Megatron 2022 had no flash attention).
+    """
+    h, f, e = arch.dim, arch.ffn_dim, ACT_BYTES[s.precision]
+    if arch.family == "llama":
+        per_token = 2 * 2 * h + 2 * 3 * h + 3 * f + 2 * (arch.q_dim + arch.kv_dim)
+        scores = 0.0
+    else:
+        per_token = 2 * 2 * h + 2 * 3 * h + 2 * f + (2 * h if arch.dropout else 0)
+        scores = 2 * 2 * arch.n_heads * s.seq  # softmax + dropout over the s scores of every head
+    replicated = 2 * 2 * h + 2 * 3 * h  # norms and residuals: replicated under TP without SP
+    if scores_only:
+        return 3 * s.seq * s.micro_batch * scores / s.tp * e
+    split_part = (per_token - replicated + scores) / s.tp
+    rep_part = replicated / (s.tp if s.sequence_parallel else 1)
+    return 3 * s.seq * s.micro_batch * (split_part + rep_part) * e
+
+
+def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link) -> float:
+    if s.tp <= 1:
+        return 0.0
+    nbytes = s.seq * s.micro_batch * arch.dim * ACT_BYTES[s.precision]
+    count = 4 + (2 * s.recompute_fraction if s.recompute == "full" else 0)
+    if s.sequence_parallel:
+        return count * 2 * ring_allgather(nbytes, s.tp, link)
+    return count * ring_allreduce(nbytes, s.tp, link)
+
+
+def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
+    """One layer, forward + backward (+ recompute), one micro-batch, on one device: GEMM,
+    elementwise and tensor-parallel seconds, and its hardware FLOPs."""
+    flops_rate = hw.achievable_flops(compute_dtype(hw, s.precision))
+    fwd, core = layer_gemm_flops(arch, s)
+    extra = {"none": 0.0, "full": fwd, "selective": core}[s.recompute] * s.recompute_fraction
+    elem = layer_elementwise_bytes(arch, s)
+    if s.recompute == "full":  # the forward (a third of the traffic) runs twice
+        elem *= 1 + s.recompute_fraction / 3
+    elif s.recompute == "selective":  # softmax and dropout over the scores run twice
+        elem += s.recompute_fraction / 3 * layer_elementwise_bytes(arch, s, scores_only=True)
+    return {"flops": 3 * fwd + extra, "gemm": (3 * fwd + extra) / flops_rate,
+            "elementwise": elem / hw.achievable_bandwidth(), "tp": tp_comm_per_layer(arch, s, hw.link(s.tp))}
+
+
+@dataclass
+class StepTime:
+    compute_s: float  # GEMMs, per step on the busiest device
+    elementwise_s: float
+    dispatch_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float  # exposed part
+    optimizer_s: float
+    hardware_flops: float  # per step per device, with recompute
+    total_s: float = 0.0
+
+    def __post_init__(self):
+        self.total_s = (self.compute_s + self.elementwise_s + self.dispatch_s + self.tp_comm_s + self.pp_comm_s
+                        + self.bubble_s + self.dp_comm_s + self.optimizer_s)
+
+
+def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> StepTime:
+    """Predicted time of one optimizer step on the slowest device. `params_local`: parameters this
+    device holds before data-parallel sharding (its pipeline stage ÷ TP)."""
+    dtype = compute_dtype(hw, s.precision)
+    flops_rate, bw = hw.achievable_flops(dtype), hw.achievable_bandwidth()
+    layers = -(-arch.n_layers // s.pp)  # the busiest stage
+    layer = layer_seconds(arch, hw, s)
+    tokens = s.seq * s.micro_batch
+    head_flops = 3 * 2 * tokens * arch.vocab_size * arch.dim / s.tp  # last stage: logits fwd + bwd
+    mb_flops = layers * layer["flops"] + head_flops
+    mb_compute = layers * layer["gemm"] + head_flops / flops_rate
+    mb_elem = layers * layer["elementwise"] + 3 * 2 * tokens * arch.vocab_size * 4 / s.tp / bw  # fp32 loss logits
+    ops = 3 * OPS_PER_LAYER[arch.family] * layers + 20
+    dispatch = ops * hw.op_overhead_s
+    if hw.kind == "gpu":  # launches overlap running kernels: only what exceeds the GPU work shows
+        dispatch = max(0.0, dispatch - (mb_compute + mb_elem))
+    mb_tp = layers * layer["tp"]
+    mb_pp = 0.0
+    if s.pp > 1:  # activations forward, their gradients backward, per stage boundary (not overlapped)
+        pp_link = hw.link(s.tp * s.pp)
+        # Each TP rank sends only its 1/t slice across stages (sequence-parallel shards, or Megatron's
+        # scatter/gather optimization: the slices are re-gathered over the fast intra-node link).
+        act = tokens * arch.dim * ACT_BYTES[s.precision] / s.tp
+        mb_pp = 2 * s.virtual_stages * (act / (pp_link.bandwidth * pp_link.efficiency) + pp_link.latency)
+    mb = mb_compute + mb_elem + dispatch + mb_tp + mb_pp
+    m = s.micro_batches
+    bubble = (s.pp - 1) / s.virtual_stages * mb
+    # Data-parallel gradient traffic, overlapped with the last micro-batch's backward (2/3 of it).
+    w_bytes, g_bytes, _ = STATE_BYTES[s.precision]
+    dp_link = hw.link(s.dp * s.tp * s.pp)
+    if s.zero >= 2:
+        dp = ring_allgather(g_bytes * params_local, s.dp, dp_link)  # reduce-scatter of gradients
+    else:
+        dp = ring_allreduce(g_bytes * params_local, s.dp, dp_link)
+    if s.zero == 3:  # parameters all-gathered for forward and again for backward, every micro-batch,
+        # one collective per layer (so per-layer latency counts too)
+        gather = 2 * ring_allgather(w_bytes * params_local, s.dp, dp_link)
+        per_layer_latency = 3 * layers * (s.dp - 1) * dp_link.latency if s.dp > 1 else 0.0
+        dp += gather * m + per_layer_latency
+        hidden = m * mb
+    else:
+        hidden = mb * 2 / 3
+    if hw.kind == "cpu":  # CPU collectives run on the cores that compute: nothing is hidden
+        hidden = 0.0
+    if s.zero >= 1:  # updated shards are all-gathered back
+        dp += ring_allgather(w_bytes * params_local, s.dp, dp_link) if s.zero < 3 else 0.0
+    dp_exposed = max(0.0, dp - hidden)
+    shard = s.dp if s.zero >= 1 else 1
+    optimizer = ADAM_BYTES_PER_PARAM[s.precision] * params_local / shard / bw
+    return StepTime(compute_s=m * mb_compute, elementwise_s=m * mb_elem, dispatch_s=m * dispatch, tp_comm_s=m * mb_tp,
+                    pp_comm_s=m * mb_pp, bubble_s=bubble, dp_comm_s=dp_exposed, optimizer_s=optimizer,
+                    hardware_flops=m * mb_flops)

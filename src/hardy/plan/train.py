@@ -1,0 +1,321 @@
+"""`hardy plan train`: memory per device, step time, MFU, time and cost to train, and what
+failures cost (Young/Daly interval, goodput) for one parallel configuration — or a search."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from hardy.errors import HardyError
+from hardy.fault.policy import DEFAULT_DEVICE_MTBF_HOURS, daly_interval, expected_goodput
+from hardy.parallel.dims import ParallelDims
+from hardy.plan.arch import Arch
+from hardy.plan.hardware import Hardware
+from hardy.plan.memory import (ACT_BYTES, STATE_BYTES, ActivationSetup, layer_activation_bytes,
+                               model_state_bytes, output_activation_bytes)
+from hardy.plan.timing import StepSetup, StepTime, compute_dtype, step_time
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    arch: Arch
+    hw: Hardware
+    devices: int
+    seq: int
+    global_batch_tokens: int
+    tokens: float = 0.0  # total training tokens (0: report per-step figures only)
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None  # default: devices ÷ (tp·pp)
+    zero: int = 0  # 0 DDP, 1/2 ZeRO, 3 ZeRO-3 / FSDP full shard
+    ac: str = "none"  # none | selective | full | every:K
+    micro_batch: int = 1
+    offload: str = "none"  # none | optimizer | params
+    precision: str = "bf16"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # 1f1b | interleaved
+    virtual_stages: int = 1
+    # reliability
+    device_mtbf_hours: float | None = None
+    restart_s: float = 300.0  # detect + restart + reload; measured by the fault benchmark on this machine
+    checkpoint_bandwidth: float | None = None  # bytes/s per node (default: the hardware's disk)
+    optimizer_foreach: bool | None = None  # AdamW's multi-tensor path (default: on GPUs)
+    # hardy's trainer frees gradients after each step (zero_grad(set_to_none=True)); Megatron and
+    # DeepSpeed keep a persistent gradient buffer
+    persistent_grads: bool = True
+
+
+@dataclass
+class TrainPlan:
+    job: TrainJob
+    dims: ParallelDims
+    micro_batches: int
+    memory: dict[str, float]  # per device, bytes
+    host_memory: float
+    params_local: float
+    step: StepTime
+    flops_per_token: float
+    model_flops_per_step: float
+    reliability: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory(self) -> float:
+        return self.memory["peak"]
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.job.hw.memory_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.step.total_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.job.global_batch_tokens / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        hw, dtype = self.job.hw, compute_dtype(self.job.hw, self.job.precision)
+        return self.model_flops_per_step / (self.step_s * hw.peak(dtype) * self.job.devices)
+
+    @property
+    def hfu(self) -> float:
+        hw, dtype = self.job.hw, compute_dtype(self.job.hw, self.job.precision)
+        return self.step.hardware_flops / (self.step_s * hw.peak(dtype))
+
+    @property
+    def train_time_s(self) -> float:
+        return self.job.tokens / self.tokens_per_s if self.job.tokens else 0.0
+
+    @property
+    def cost(self) -> float | None:
+        price = self.job.hw.price_per_device_hour
+        if price is None or not self.job.tokens:
+            return None
+        return price * self.job.devices * self.effective_time_s / 3600
+
+    @property
+    def effective_time_s(self) -> float:
+        g = self.reliability["goodput"]
+        return self.train_time_s / g if g > 0 else math.inf
+
+    def to_dict(self) -> dict:
+        return {"model": self.job.arch.name, "hardware": self.job.hw.name, "devices": self.job.devices,
+                "parallel": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": self.job.zero,
+                             "ac": self.job.ac, "micro_batch": self.job.micro_batch,
+                             "micro_batches": self.micro_batches, "offload": self.job.offload,
+                             "precision": self.job.precision, "sequence_parallel": self.job.sequence_parallel,
+                             "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
+                "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
+                "device_memory_bytes": self.job.hw.memory_bytes,
+                "fits": self.fits, "params_per_device": self.params_local,
+                "step_time_s": self.step.__dict__, "tokens_per_s": self.tokens_per_s,
+                "flops_per_token": self.flops_per_token, "mfu": self.mfu, "hfu": self.hfu,
+                "train_time_s": self.train_time_s, "effective_time_s": self.effective_time_s,
+                "cost_usd": self.cost, "reliability": self.reliability, "notes": self.notes}
+
+
+def parse_ac(ac: str) -> tuple[str, float]:
+    """--ac → (recompute mode, fraction of layers recomputed)."""
+    if ac in ("none", "selective", "full"):
+        return ac, 1.0 if ac != "none" else 0.0
+    if ac.startswith("every:"):
+        try:
+            k = int(ac.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return "full", 1.0 / k
+    raise HardyError(f"--ac must be none, selective, full or every:K (got {ac!r})")
+
+
+def stage_params(arch: Arch, pp: int) -> tuple[float, float]:
+    """Parameters of the first and the last pipeline stage (embeddings first, head last; a tied
+    embedding is kept on both ends when there is more than one stage, as Megatron does)."""
+    per_stage_layers = -(-arch.n_layers // pp)
+    body = per_stage_layers * arch.params_per_layer
+    if pp == 1:
+        return arch.params_total, arch.params_total
+    head = arch.params_head + (arch.vocab_size * arch.dim if arch.tie_embeddings else 0)
+    return body + arch.params_embedding, body + head
+
+
+def plan_train(job: TrainJob) -> TrainPlan:
+    arch, hw = job.arch, job.hw
+    if job.precision not in STATE_BYTES:
+        raise HardyError(f"precision must be fp32, bf16 or fp16 (got {job.precision!r})")
+    if job.precision != "fp32" and not hw.fast_bf16:
+        raise HardyError(f"{hw.name} has no fast {job.precision} matmul (emulated, ~100x slower): plan fp32")
+    if job.precision not in hw.peak_flops:
+        raise HardyError(f"{hw.name} has no {job.precision} arithmetic in the catalogue "
+                         f"(has {', '.join(sorted(hw.peak_flops))}): choose another --precision")
+    if job.schedule not in ("1f1b", "interleaved"):
+        raise HardyError(f"schedule must be 1f1b or interleaved (got {job.schedule!r})")
+    v = job.virtual_stages if job.schedule == "interleaved" else 1
+    if v < 1:
+        raise HardyError(f"virtual stages must be >= 1 (got {v})")
+    model_parallel = job.tp * job.pp
+    if job.dp is None and job.devices % model_parallel:
+        raise HardyError(f"tp × pp = {model_parallel} does not divide {job.devices} devices")
+    dp = job.dp if job.dp is not None else job.devices // model_parallel
+    dims = ParallelDims.build(job.devices, dp_replicate=dp if job.zero == 0 else 1,
+                              dp_shard=1 if job.zero == 0 else dp, tp=job.tp, pp=job.pp)
+    if arch.n_heads % job.tp or arch.n_kv_heads % job.tp:
+        raise HardyError(f"tp = {job.tp} must divide the {arch.n_heads} attention and {arch.n_kv_heads} KV heads")
+    if job.pp > arch.n_layers:
+        raise HardyError(f"pp = {job.pp} exceeds the model's {arch.n_layers} layers")
+    if job.seq > arch.max_seq_len and arch.family == "llama":
+        raise HardyError(f"sequence length {job.seq} exceeds the model's context of {arch.max_seq_len}")
+    seqs = job.global_batch_tokens / job.seq
+    per_replica = seqs / dp
+    m = per_replica / job.micro_batch
+    if seqs != int(seqs) or m != int(m) or m < 1:
+        raise HardyError(f"global batch of {job.global_batch_tokens} tokens = {seqs:g} sequences of {job.seq} does "
+                         f"not split into dp = {dp} replicas × micro-batches of {job.micro_batch}")
+    m = int(m)
+    recompute, fraction = parse_ac(job.ac)
+    notes: list[str] = []
+
+    first, last = stage_params(arch, job.pp)
+    params_first, params_last = first / job.tp, last / job.tp
+    params_local = max(params_first, params_last)
+    act = ActivationSetup(seq=job.seq, micro_batch=job.micro_batch, tp=job.tp,
+                          sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision)
+    layers = -(-arch.n_layers // job.pp)
+    full_layer = layer_activation_bytes(arch, act, "none")
+    if recompute == "none":
+        per_layer_avg, working = full_layer, 0.0
+    else:
+        kept = layer_activation_bytes(arch, act, recompute)
+        per_layer_avg = fraction * kept + (1 - fraction) * full_layer
+        working = full_layer if recompute == "full" else 0.0  # one layer recomputed at a time
+    # In-flight micro-batches under 1F1B: the first stage holds p of them (L layers' worth);
+    # interleaving multiplies that by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2).
+    inflight = min(m, job.pp)
+    interleave = 1 + (job.pp - 1) / (job.pp * v) if job.pp > 1 and job.schedule == "interleaved" else 1.0
+    act_first = layers * per_layer_avg * inflight * interleave + working
+    # The loss's transient logits exist at the end of the forward, a recomputed layer's working
+    # set during the backward: never both at once.
+    out_kept, out_transient = output_activation_bytes(arch, act)
+    act_last = layers * per_layer_avg + out_kept + max(working, out_transient)
+    states = {k: model_state_bytes(p, job.zero, dp, job.precision, job.offload) for k, p in
+              (("first", params_first), ("last", params_last))}
+
+    w, g, _ = STATE_BYTES[job.precision]
+    shard = dp if job.zero == 3 else 1
+    layer_params = arch.params_per_layer / job.tp
+    buffers = 0.0
+    if job.zero == 3 and dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
+        buffers += (2 * w + g) * layer_params
+    foreach = job.optimizer_foreach if job.optimizer_foreach is not None else hw.kind == "gpu"
+    # AdamW temporaries: the multi-tensor path materializes a step-sized copy of the parameters it
+    # updates; the per-tensor path one copy of the largest tensor (the embedding).
+    largest = max(arch.vocab_size * arch.dim, arch.params_per_layer / 3) / job.tp
+    opt_local = params_local / (dp if job.zero >= 1 else 1)
+    opt_temp = 4 * (opt_local if foreach else min(largest, opt_local))
+    if job.offload != "none":
+        opt_temp = 0.0
+    peaks = {}
+    for stage, acts in (("first", act_first), ("last", act_last)):
+        st = states[stage]
+        # Gradients outlive the step with a persistent buffer (Megatron/DeepSpeed), DDP's buckets, or
+        # accumulation; hardy frees them after each step (set_to_none), and FSDP2 keeps only shards.
+        kept = job.persistent_grads or m > 1 or (dp > 1 and job.zero == 0)
+        grads_during_backward = st["gradients"] if kept else 0.0
+        fwd_bwd = st["weights"] + st["optimizer"] + grads_during_backward + acts + buffers
+        opt_step = st["weights"] + st["optimizer"] + st["gradients"] + opt_temp
+        peaks[stage] = (max(fwd_bwd, opt_step), acts, st)
+    stage = max(peaks, key=lambda k: peaks[k][0])
+    peak, acts, st = peaks[stage]
+    overhead = hw.runtime_overhead_bytes
+    memory = {"weights": st["weights"], "gradients": st["gradients"], "optimizer": st["optimizer"],
+              "activations": acts, "buffers": buffers, "optimizer_temporaries": opt_temp,
+              "runtime": overhead, "peak": peak + overhead}
+    host = states["first"]["host"]
+    if job.pp > 1:
+        notes.append(f"busiest pipeline stage: {stage} ({layers} layers, {inflight} micro-batches in flight)")
+    step = step_time(arch, hw, StepSetup(seq=job.seq, micro_batch=job.micro_batch, micro_batches=m, tp=job.tp,
+                                         pp=job.pp, dp=dp, zero=job.zero, recompute=recompute,
+                                         recompute_fraction=fraction, sequence_parallel=job.sequence_parallel,
+                                         precision=job.precision, virtual_stages=v), params_local)
+    fpt = arch.flops_per_token(job.seq)
+    model_flops = fpt * job.global_batch_tokens
+    plan = TrainPlan(job=job, dims=dims, micro_batches=m, memory=memory, host_memory=host,
+                     params_local=params_local, step=step, flops_per_token=fpt, model_flops_per_step=model_flops,
+                     reliability={}, notes=notes)
+    plan.reliability = reliability(plan, shard_params=params_local / shard)
+    return plan
+
+
+def checkpoint_bytes(arch: Arch, precision: str) -> float:
+    """A full training checkpoint: weights + optimizer states (hardy/DCP saves fp32 masters)."""
+    w, _, o = STATE_BYTES[precision]
+    return arch.params_total * (o + (0 if precision != "fp32" else w))
+
+
+def reliability(plan: TrainPlan, shard_params: float) -> dict[str, float]:
+    job = plan.job
+    device_mtbf = job.device_mtbf_hours or job.hw.device_mtbf_hours or DEFAULT_DEVICE_MTBF_HOURS
+    mtbf_s = device_mtbf * 3600 / (job.devices)
+    nodes = max(1, math.ceil(job.devices / job.hw.devices_per_node))
+    bw = (job.checkpoint_bandwidth or job.hw.disk_write_bandwidth) * nodes
+    # Every node writes its share at once; a synchronous save stalls training for that long.
+    stall = checkpoint_bytes(job.arch, job.precision) / bw
+    interval = daly_interval(stall, mtbf_s)
+    goodput = expected_goodput(interval, stall, mtbf_s, job.restart_s)
+    expected_failures = (plan.train_time_s / goodput if goodput else 0.0) / mtbf_s
+    return {"device_mtbf_hours": device_mtbf, "job_mtbf_s": mtbf_s, "checkpoint_bytes": checkpoint_bytes(
+        job.arch, job.precision), "checkpoint_stall_s": stall, "interval_s": interval,
+        "interval_steps": max(1, round(interval / plan.step_s)), "restart_s": job.restart_s,
+        "goodput": goodput, "expected_interruptions": expected_failures}
+
+
+def fit_advice(plan: TrainPlan) -> str:
+    """What would make a configuration that does not fit, fit."""
+    device = plan.job.hw.memory_bytes
+    short = plan.peak_memory - device
+    tips = []
+    if plan.job.ac == "none":
+        tips.append("--ac full")
+    if plan.job.zero < 3 and plan.dims.dp > 1:
+        tips.append("--zero 3")
+    if plan.job.micro_batch > 1:
+        tips.append("a smaller --micro-batch")
+    if plan.job.offload == "none":
+        tips.append("--offload optimizer")
+    tips.append("more devices (--tp/--pp), or --search")
+    return (f"does not fit: needs {plan.peak_memory / 1e9:.1f} GB per device, {plan.job.hw.name} has "
+            f"{device / 1e9:.1f} GB ({short / 1e9:.1f} GB short); try " + ", ".join(tips))
+
+
+def search(base: TrainJob, rank_by: str = "time", limit: int = 10) -> tuple[list[TrainPlan], int]:
+    """Every valid (tp, pp, zero, ac, micro-batch) for the device count that fits; best first.
+    Returns (fitting plans, how many configurations were tried)."""
+    arch, devices = base.arch, base.devices
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    fitting, tried = [], 0
+    acs = ["none", "full"] + (["selective"] if arch.family == "gpt" else [])
+    for tp in [d for d in divisors if d <= base.hw.devices_per_node]:
+        for pp in [d for d in divisors if devices % (tp * d) == 0 and d <= arch.n_layers]:
+            for zero in (0, 1, 2, 3):
+                for ac in acs:
+                    for mb in (1, 2, 4, 8, 16):
+                        job = replace(base, tp=tp, pp=pp, dp=None, zero=zero, ac=ac, micro_batch=mb,
+                                      sequence_parallel=tp > 1 and arch.family == "gpt")
+                        tried += 1
+                        try:
+                            p = plan_train(job)
+                        except HardyError:
+                            continue
+                        if p.fits:
+                            fitting.append(p)
+    key = (lambda p: p.cost if p.cost is not None else p.effective_time_s) if rank_by == "cost" else \
+        (lambda p: p.effective_time_s if p.job.tokens else p.step_s / p.job.global_batch_tokens)
+    fitting.sort(key=key)
+    return fitting[:limit] if limit else fitting, tried
+
+
+__all__ = ["TrainJob", "TrainPlan", "plan_train", "search", "fit_advice", "GiB", "ACT_BYTES"]

@@ -1,0 +1,147 @@
+"""The hardware catalogue (catalogue.toml) and probe profiles as planner `Hardware`."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import pytest
+
+from conftest import run_hardy
+from hardy.errors import HardyError
+from hardy.plan.hardware import CATALOGUE, describe_hardware, get_hardware, load_catalogue
+from hardy.plan.probe_profile import hardware_from_profile, hardware_from_profile_file
+
+EXPECTED = {"a100-80g", "h100-sxm", "h200", "b200", "mi300x", "l40s",
+            "xeon-spr", "xeon-emr", "xeon-gnr", "epyc-genoa", "epyc-turin", "graviton4"}
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    return load_catalogue()
+
+
+def test_every_entry_is_complete(catalogue):
+    assert EXPECTED <= set(catalogue)
+    for name, hw in catalogue.items():
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name) and hw.name == name
+        assert hw.kind in ("gpu", "cpu") and hw.description
+        assert hw.sources and all(s.strip() for s in hw.sources) and re.match(r"\d{4}-\d{2}", hw.date), name
+        assert hw.efficiency_source, name
+        assert hw.peak_flops["fp32"] > 0 and hw.peak_flops["bf16"] > hw.peak_flops["fp32"], name
+        assert all(v > 0 for v in hw.peak_flops.values()), name
+        assert 0 < hw.flops_efficiency <= 1 and 0 < hw.bandwidth_efficiency <= 1, name
+        assert hw.memory_bytes > 1e9 and hw.memory_bandwidth > 1e10 and hw.devices_per_node >= 1
+        for link in (hw.intra_node, hw.inter_node):
+            assert link.name and link.bandwidth > 0 and 0 < link.latency < 1e-3 and 0 < link.efficiency <= 1
+        assert hw.intra_node.bandwidth > hw.inter_node.bandwidth, name
+        assert hw.disk_write_bandwidth > 0 and hw.price_per_device_hour and hw.price_per_device_hour > 0
+        assert hw.fast_bf16, name
+        if hw.kind == "cpu":
+            assert hw.cores and hw.devices_per_node == 2, name  # one device = one socket
+        rows = dict(describe_hardware(hw))
+        assert {"peak TFLOP/s (dense)", "memory", "memory bandwidth", "efficiency", "intra-node link",
+                "inter-node link", "price", "MTBF", "date"} <= set(rows)
+
+
+def test_datasheet_figures_match_reference(catalogue):
+    a100, h100, h200 = catalogue["a100-80g"], catalogue["h100-sxm"], catalogue["h200"]
+    assert a100.peak("bf16") == 312e12 and a100.memory_bytes == 80e9
+    assert a100.memory_bandwidth == pytest.approx(2.04e12, rel=1e-3)
+    assert a100.intra_node.bandwidth == 300e9 and a100.devices_per_node == 8
+    assert h100.peak("bf16") == 989e12 and h100.memory_bandwidth == 3.35e12
+    assert h200.peak("bf16") == 989e12 and h200.memory_bytes == 141e9 and h200.memory_bandwidth == 4.8e12
+    assert catalogue["b200"].peak("bf16") == 2250e12 and catalogue["mi300x"].memory_bytes == 192e9
+    # reference.md: AMX ~115 TF/s per 56-core socket, 307 GB/s (SPR), 461 GB/s (Genoa)
+    assert catalogue["xeon-spr"].peak("bf16") == pytest.approx(115e12, rel=0.01)
+    assert catalogue["xeon-spr"].memory_bandwidth == pytest.approx(307e9, rel=0.01)
+    assert catalogue["epyc-genoa"].memory_bandwidth == pytest.approx(461e9, rel=0.01)
+
+
+def test_unknown_hardware_names_the_known_ones():
+    with pytest.raises(HardyError) as e:
+        get_hardware("tpu-v9")
+    msg = str(e.value)
+    assert "'tpu-v9'" in msg and "a100-80g" in msg and "graviton4" in msg and "probe:FILE" in msg
+    assert "\n" not in msg
+
+
+def test_malformed_catalogue_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[hardware.x\nkind = ")
+    with pytest.raises(HardyError, match="not valid TOML") as e:
+        load_catalogue(bad)
+    assert "\n" not in str(e.value)
+    text = CATALOGUE.read_text()
+    missing = tmp_path / "missing.toml"  # the A100 without its memory size
+    missing.write_text(text.replace("memory_gb = 80.0\n", "", 1))
+    with pytest.raises(HardyError, match=r"\[a100-80g\].*memory_gb") as e:
+        load_catalogue(missing)
+    assert "\n" not in str(e.value)
+    with pytest.raises(HardyError, match="cannot read"):
+        load_catalogue(tmp_path / "nope.toml")
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# nothing\n")
+    with pytest.raises(HardyError, match="no \\[hardware.NAME\\]"):
+        load_catalogue(empty)
+
+
+def _profile() -> dict:
+    """A minimal valid probe profile (the fields hardware_from_profile reads)."""
+    return {"schema": "hardy.probe/1", "created": "2026-01-02T03:04:05Z", "hostname": "box",
+            "cpu": {"model": "Test CPU", "physical_cores": 8, "memory_total_bytes": 64e9},
+            "gpu": None,
+            "matmul": {"fast_bf16": False, "dtypes": {"fp32": {"best_flops": 5e11}, "bf16": {"best_flops": 2e9},
+                                                      "fp16": {"best_flops": 1e9}}},
+            "memory": {"bandwidth": 4e10}, "disk": {"write_bandwidth": 1e9}, "dispatch": {"op_overhead_s": 3e-6},
+            "allreduce": {"backend": "gloo", "latency_s": 1e-4, "bus_bandwidth": 3e9}}
+
+
+def test_profile_mapping():
+    hw = hardware_from_profile(_profile())
+    assert hw.kind == "cpu" and hw.cores == 8 and hw.devices_per_node == 1 and not hw.fast_bf16
+    assert hw.peak("fp32") == 5e11 and hw.achievable_flops("fp32") == 5e11 and hw.memory_bandwidth == 4e10
+    assert hw.intra_node.bandwidth == 3e9 and hw.intra_node.latency == 1e-4 and hw.date == "2026-01-02"
+    gpu = _profile()
+    gpu["gpu"] = {"name": "Test GPU", "count": 4, "memory_bytes": 24e9}
+    hw = hardware_from_profile(gpu)
+    assert hw.kind == "gpu" and hw.devices_per_node == 4 and hw.memory_bytes == 24e9 and hw.cores is None
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda p: p.update(schema="hardy.probe/0"), "schema 'hardy.probe/0'"),
+    (lambda p: p.pop("schema"), "schema None"),
+    (lambda p: p.pop("memory"), "'memory.bandwidth'"),
+    (lambda p: p["matmul"]["dtypes"].pop("fp32"), "'matmul.dtypes.fp32.best_flops'"),
+    (lambda p: p["disk"].update(write_bandwidth=-1), "'disk.write_bandwidth' must be a positive number"),
+    (lambda p: p["allreduce"].update(bus_bandwidth="fast"), "'allreduce.bus_bandwidth'"),
+    (lambda p: p.update(allreduce={"backend": "gloo", "error": "timed out"}), "not measured (timed out)"),
+])
+def test_bad_profile_fields_are_named(edit, fragment):
+    p = copy.deepcopy(_profile())
+    edit(p)
+    with pytest.raises(HardyError) as e:
+        hardware_from_profile(p, where="probe profile x.json")
+    assert fragment in str(e.value) and str(e.value).startswith("probe profile x.json") and "\n" not in str(e.value)
+
+
+def test_bad_profile_files(tmp_path):
+    cases = {"missing.json": None, "garbage.json": b"\x00\xff\x13binary", "text.json": b"not json {",
+             "list.json": b"[1, 2]"}
+    for name, data in cases.items():
+        path = tmp_path / name
+        if data is not None:
+            path.write_bytes(data)
+        with pytest.raises(HardyError) as e:
+            get_hardware(f"probe:{path}")
+        assert str(path) in str(e.value) and "\n" not in str(e.value), name
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_profile()))
+    assert hardware_from_profile_file(good).name == f"probe:{good}"
+
+
+def test_probe_out_in_missing_directory_is_exit_2():
+    proc = run_hardy("probe", "--quick", "--out", "/nonexistent-dir/x.json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hardy: error: --out /nonexistent-dir/x.json")

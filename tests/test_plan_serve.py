@@ -1,0 +1,170 @@
+"""`hardy plan serve`: the serving planner's formulas against hand computation, and its CLI errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_hardy
+from hardy.errors import HardyError
+from hardy.model.config import PRESETS, count_parameters
+from hardy.plan.hardware import hardware_from_dict
+from hardy.plan.serve import kv_bytes_per_token, plan_serve, weight_bytes
+
+SMOL, L8B, L405B = PRESETS["smollm2-135m"], PRESETS["llama3.1-8b"], PRESETS["llama3.1-405b"]
+
+GPU = {"kind": "gpu", "peak_tflops": {"fp32": 100.0, "bf16": 400.0}, "memory_gb": 80.0, "bandwidth_gbs": 2000.0,
+       "flops_efficiency": 0.5, "bandwidth_efficiency": 0.8, "devices_per_node": 8,
+       "intra_node": {"name": "nvlink", "bandwidth_gbs": 400.0, "latency_us": 5.0, "efficiency": 0.75},
+       "inter_node": {"name": "ib", "bandwidth_gbs": 50.0, "latency_us": 10.0}, "price_per_device_hour": 2.0}
+L40S_LIKE = dict(GPU, memory_gb=48.0, bandwidth_gbs=864.0, peak_tflops={"fp32": 91.6, "bf16": 362.0})
+
+
+def hw(**changes):
+    return hardware_from_dict("test-gpu", dict(GPU, **changes))
+
+
+def test_kv_bytes_per_token():
+    assert kv_bytes_per_token(SMOL) == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert kv_bytes_per_token(L8B) == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert kv_bytes_per_token(L8B, "fp32") == 2 * 131_072
+    plan = plan_serve(SMOL, hw(), quant="fp32", context=1024)
+    assert plan.kv_dtype == "fp32" and plan.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
+    assert plan.kv_bytes_per_sequence_per_device == 2 * 30 * 3 * 64 * 4 * 1024
+
+
+def test_quantized_weight_bytes_include_group_overhead():
+    counts = count_parameters(L8B)
+    quantized, norms = counts.total - counts.norms, counts.norms
+    assert weight_bytes(L8B, "fp16") == 2 * counts.total
+    assert weight_bytes(L8B, "int8") == quantized * (1 + 2 / 32) + 2 * norms  # fp16 scale per 32
+    assert weight_bytes(L8B, "int4") == quantized * (0.5 + 4 / 32) + 2 * norms  # fp16 scale + zero per 32
+    assert weight_bytes(L8B, "int4") < weight_bytes(L8B, "int8") < weight_bytes(L8B, "fp16")
+    assert weight_bytes(SMOL, "fp32") == 4 * count_parameters(SMOL).total  # tied: stored once
+
+
+def test_decode_at_batch_1_is_bandwidth_bound():
+    h = hw()
+    plan = plan_serve(SMOL, h, quant="fp32", context=512, prompt_tokens=8, output_tokens=128, batch=1)
+    # every weight once (the tied embedding is read as the LM head) + the KV cache at the average context
+    step_bytes = 4 * 134_515_008 + 2 * 30 * 3 * 64 * 4 * (8 + 128 / 2)
+    assert plan.bound == "memory bandwidth"
+    assert plan.step_bytes_per_device == pytest.approx(step_bytes)
+    assert plan.decode_tokens_per_s == pytest.approx(2000e9 * 0.8 / step_bytes)
+    assert plan.step_allreduce_s == 0
+    assert plan.prefill_s > 0 and plan.request_latency_s == pytest.approx(plan.prefill_s + 127 * plan.step_s)
+    hours = plan.request_latency_s / 3600
+    assert plan.cost_per_million_tokens == pytest.approx(2.0 * hours / 128 * 1e6)
+
+
+def test_large_batch_turns_compute_bound():
+    big = hw(memory_gb=100_000.0)
+    small = plan_serve(L8B, big, context=256, prompt_tokens=64, output_tokens=64, batch=1)
+    large = plan_serve(L8B, big, context=256, prompt_tokens=64, output_tokens=64, batch=4096)
+    assert small.bound == "memory bandwidth" and large.bound == "compute"
+    assert large.step_s == pytest.approx(large.step_flops_per_device / (400e12 * 0.5))
+    assert large.decode_tokens_per_s_batch > 100 * small.decode_tokens_per_s_batch
+
+
+def test_largest_batch_fits_and_one_more_does_not():
+    h = hw()
+    plan = plan_serve(L8B, h, context=4096)
+    usable = 80e9 * 0.9
+    need = lambda b: plan.weight_bytes_per_device + b * plan.kv_bytes_per_sequence_per_device  # noqa: E731
+    assert need(plan.max_batch) <= usable < need(plan.max_batch + 1)
+    assert plan_serve(L8B, h, context=4096, batch=plan.max_batch).batch == plan.max_batch
+    with pytest.raises(HardyError, match=f"largest batch at context 4096 is {plan.max_batch}"):
+        plan_serve(L8B, h, context=4096, batch=plan.max_batch + 1)
+
+
+def test_tensor_parallel_halves_weights_and_adds_allreduce():
+    h = hw()
+    one = plan_serve(L8B, h, batch=8)
+    two = plan_serve(L8B, h, devices=2, batch=8)
+    norms = count_parameters(L8B).norms * 2  # replicated on every device
+    assert two.weight_bytes_per_device - norms == pytest.approx((one.weight_bytes_per_device - norms) / 2)
+    assert two.kv_bytes_per_sequence_per_device == one.kv_bytes_per_sequence_per_device / 2
+    # 2 all-reduces per layer of batch x dim fp16/bf16 activations on the in-node link (ring, 2 devices)
+    per = 5e-6 + 2 * (2 - 1) / 2 * 8 * 4096 * 2 / (400e9 * 0.75)
+    assert one.step_allreduce_s == 0 and two.step_allreduce_s == pytest.approx(2 * 32 * per)
+    assert two.step_s < one.step_s and two.max_batch > one.max_batch
+
+
+def test_kv_heads_replicate_beyond_n_kv():
+    plan = plan_serve(L8B, hw(), devices=16)
+    assert plan.kv_heads_per_device == 1 and plan.kv_replicated
+    assert any("replicated" in n for n in plan.notes)
+
+
+def test_qps_little_law():
+    h = hw()
+    plan = plan_serve(L8B, h, qps=5.0)
+    assert plan.qps_sustained and plan.requests_per_s >= 5.0
+    assert 5.0 * plan.request_latency_s <= plan.batch
+    if plan.batch > 1:  # the smallest such batch
+        assert plan_serve(L8B, h, batch=plan.batch - 1).requests_per_s < 5.0
+    impossible = plan_serve(L8B, h, qps=1e6)
+    assert not impossible.qps_sustained and impossible.batch == impossible.max_batch
+    assert "cannot sustain" in impossible.notes[-1]
+
+
+def test_405b_does_not_fit_on_one_l40s():
+    l40s = hardware_from_dict("l40s-like", L40S_LIKE)
+    with pytest.raises(HardyError) as e:
+        plan_serve(L405B, l40s)
+    msg = str(e.value)
+    short = (weight_bytes(L405B, "fp16") + kv_bytes_per_token(L405B) * 2048 - 48e9 * 0.9) / 1e9
+    assert f"short by {short:,.2f} GB" in msg
+    assert "32 devices (tensor parallel)" in msg  # 16 × 50.7 GB does not fit, 32 × 25.4 GB does
+    assert "int8 on 16 devices" in msg and "int4 on 8 devices" in msg
+    plan_serve(L405B, l40s, devices=32)  # and it really does
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"quant": "int3"}, "unknown quant"), ({"devices": 0}, "--devices must be >= 1"),
+    ({"devices": 3}, "divisible by 3"), ({"prompt_tokens": 4000}, "must fit the context"),
+])
+def test_invalid_inputs(kwargs, fragment):
+    with pytest.raises(HardyError, match=fragment):
+        plan_serve(L8B, hw(), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory):
+    def table(name, d):
+        lines = [f"[hardware.{name}]", f'kind = "{d["kind"]}"', f'memory_gb = {d["memory_gb"]}',
+                 f'bandwidth_gbs = {d["bandwidth_gbs"]}', f'flops_efficiency = {d["flops_efficiency"]}',
+                 f'bandwidth_efficiency = {d["bandwidth_efficiency"]}', f'devices_per_node = {d["devices_per_node"]}',
+                 f'price_per_device_hour = {d["price_per_device_hour"]}',
+                 "peak_tflops = {" + ", ".join(f"{k} = {v}" for k, v in d["peak_tflops"].items()) + "}"]
+        for link in ("intra_node", "inter_node"):
+            lines.append(f"{link} = {{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d[link].items()) + "}")
+        return "\n".join(lines) + "\n"
+
+    path = tmp_path_factory.mktemp("cat") / "catalogue.toml"
+    path.write_text(table("test-gpu", GPU) + "\n" + table("l40s-like", L40S_LIKE))
+    return path
+
+
+def test_cli_json(catalogue):
+    proc = run_hardy("plan", "serve", "--model", "llama3.1-8b", "--hardware", "test-gpu", "--catalogue",
+                     str(catalogue), "--devices", "2", "--quant", "int4", "--qps", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    want = plan_serve(L8B, hardware_from_dict("test-gpu", GPU), devices=2, quant="int4", qps=3.0)
+    for key, value in want.to_dict().items():
+        assert got[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "llama3.1-405b", "--hardware", "l40s-like"], "short by"),
+    (["--model", "llama3.1-8b", "--hardware", "test-gpu", "--devices", "3"], "divisible by 3"),
+    (["--model", "llama3.1-8b", "--hardware", "nope"], "unknown hardware 'nope'"),
+    (["--model", "llama3.1-8b", "--hardware", "test-gpu", "--quant", "int3"], "invalid choice"),
+])
+def test_cli_errors_are_one_line(catalogue, args, fragment):
+    proc = run_hardy("plan", "serve", *args, "--catalogue", str(catalogue))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hardy: error: ") and fragment in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

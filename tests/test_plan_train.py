@@ -1,0 +1,167 @@
+"""The training planner: published validation cases, formulas vs autograd, CLI behaviour."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from hardy.errors import HardyError
+from hardy.fault.policy import daly_interval, expected_goodput
+from hardy.model.config import ModelConfig, count_parameters, get_preset
+from hardy.plan.arch import arch_from_llama, load_arch
+from hardy.plan.hardware import get_hardware
+from hardy.plan.memory import ActivationSetup, layer_activation_bytes
+from hardy.plan.train import TrainJob, plan_train, search
+from hardy.plan.validation import all_cases
+
+
+@pytest.mark.parametrize("case", all_cases(), ids=lambda c: f"{c.group}: {c.name}")
+def test_published_case_within_tolerance(case):
+    assert case.ok, f"{case.name}: published {case.published}, hardy {case.predicted:.4g} ({100 * case.error:+.1f}%)"
+
+
+def test_parameter_counts_are_the_trainers():
+    for name in ("micro", "tiny", "smollm2-135m", "llama3.1-8b"):
+        assert load_arch(name).params_total == count_parameters(get_preset(name)).total
+    gpt = load_arch("gpt-175b")  # 12Lh² + 13Lh + (V + s)h + 2h
+    h, L = 12288, 96
+    assert gpt.params_total == 12 * L * h * h + 13 * L * h + (51200 + 2048) * h + 2 * h
+    assert abs(gpt.params_total / 175e9 - 1) < 0.01
+
+
+def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
+    """Bytes autograd keeps for one transformer block, counted by storage (views deduplicated)."""
+    from hardy.model.llama import build_model
+
+    model = build_model(cfg)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](x, cos, sin)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}  # shared by all layers
+    return sum(v for k, v in storages.items() if k not in skip)
+
+
+@pytest.mark.parametrize("shape", [dict(dim=96, n_heads=6, n_kv_heads=2, ffn_dim=200),
+                                   dict(dim=128, n_heads=4, n_kv_heads=4, ffn_dim=344)])
+def test_llama_activation_formula_matches_what_autograd_saves(shape):
+    cfg = ModelConfig(vocab_size=300, n_layers=1, max_seq_len=128, **shape)
+    measured = saved_activation_bytes(cfg, batch=3, seq=40)
+    predicted = layer_activation_bytes(arch_from_llama(cfg), ActivationSetup(seq=40, micro_batch=3, precision="fp32"))
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def _job(**kw):
+    base = dict(arch=load_arch("llama3.1-8b"), hw=get_hardware("h100-sxm"), devices=8, seq=4096,
+                global_batch_tokens=8 * 4096 * 4, tokens=1e11)
+    return TrainJob(**{**base, **kw})
+
+
+def test_reliability_uses_young_daly_and_the_goodput_formula():
+    plan = plan_train(_job(zero=3, ac="full", device_mtbf_hours=100.0, restart_s=600.0))
+    r = plan.reliability
+    assert r["job_mtbf_s"] == pytest.approx(100 * 3600 / 8)
+    assert r["interval_s"] == pytest.approx(daly_interval(r["checkpoint_stall_s"], r["job_mtbf_s"]))
+    assert r["goodput"] == pytest.approx(expected_goodput(r["interval_s"], r["checkpoint_stall_s"], r["job_mtbf_s"],
+                                                          600.0))
+    assert plan.effective_time_s == pytest.approx(plan.train_time_s / r["goodput"])
+
+
+def test_memory_falls_with_sharding_and_recompute_and_time_rises_with_recompute():
+    base = plan_train(_job(zero=0, ac="none"))
+    sharded = plan_train(_job(zero=3, ac="none"))
+    recompute = plan_train(_job(zero=3, ac="full"))
+    assert sharded.memory["optimizer"] == pytest.approx(base.memory["optimizer"] / 8)
+    assert recompute.memory["activations"] < sharded.memory["activations"] / 5
+    assert recompute.step.compute_s == pytest.approx(sharded.step.compute_s * 4 / 3, rel=0.05)
+
+
+def test_search_returns_only_fitting_configurations_best_first():
+    plans, tried = search(_job(arch=load_arch("llama3.1-70b"), devices=32, global_batch_tokens=32 * 4096 * 8))
+    assert tried > len(plans) > 0
+    assert all(p.fits for p in plans)
+    times = [p.effective_time_s for p in plans]
+    assert times == sorted(times)
+
+
+def test_pipeline_bubble_and_interleaving():
+    arch = load_arch("gpt-175b")
+    hw = get_hardware("a100-80g")
+    kw = dict(arch=arch, hw=hw, devices=64, seq=2048, global_batch_tokens=64 * 2048, tp=8, pp=8, ac="selective",
+              sequence_parallel=True)
+    plain = plan_train(TrainJob(**kw))
+    inter = plan_train(TrainJob(**kw, schedule="interleaved", virtual_stages=3))
+    per_mb = plain.step.compute_s / plain.micro_batches
+    assert plain.step.bubble_s == pytest.approx(7 * (plain.step.bubble_s / 7), rel=1e-9)
+    assert plain.step.bubble_s > per_mb * 7 * 0.99  # (p - 1) micro-batch times
+    assert inter.step.bubble_s == pytest.approx(plain.step.bubble_s / 3, rel=0.1)
+    assert inter.memory["activations"] > plain.memory["activations"]  # 1 + (p-1)/(p v) more in flight
+
+
+def hardy(*args):
+    return subprocess.run([sys.executable, "-m", "hardy", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "8", "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["--devices", "6", "--hardware", "h100-sxm", "--tp", "3"], "tp = 3 must divide the 32 attention"),
+    (["--devices", "8", "--hardware", "h100-sxm", "--tp", "16"], "does not divide 8 devices"),
+    (["--devices", "8", "--hardware", "h100-sxm", "--tp", "2", "--dp", "2"], "multiply to 4, but the world size is 8"),
+    (["--devices", "8", "--hardware", "h100-sxm", "--ac", "sometimes"], "--ac must be"),
+    (["--devices", "8", "--hardware", "epyc-genoa", "--precision", "fp16"], "no fp16 arithmetic"),
+    (["--devices", "8", "--hardware", "h100-sxm", "--global-batch-tokens", "1000"], "does not split"),
+])
+def test_invalid_plans_give_one_line_and_exit_2(args, message):
+    proc = hardy("plan", "train", "--model", "llama3.1-8b", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_plan_that_does_not_fit_says_by_how_much_and_what_helps():
+    proc = hardy("plan", "train", "--model", "llama3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--seq", "4096",
+                 "--global-batch-tokens", str(8 * 4096))
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "does not fit" in line and "GB short" in line and "--zero 3" in line and "--ac full" in line
+    proc = hardy("plan", "train", "--model", "llama3.1-405b", "--hardware", "l40s", "--devices", "1", "--seq", "2048",
+                 "--global-batch-tokens", "2048", "--search")
+    assert proc.returncode == 2 and "fits in no configuration" in proc.stderr
+
+
+def test_plan_train_json_and_reports(tmp_path):
+    proc = hardy("plan", "train", "--model", "gpt-22b", "--hardware", "a100-80g", "--devices", "8", "--tp", "8",
+                 "--micro-batch", "4", "--global-batch-tokens", str(4 * 2048), "--ac", "selective", "--sp", "--json",
+                 "--report", str(tmp_path / "plan.md"))
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] and 0.3 < plan["mfu"] < 0.6
+    assert (tmp_path / "plan-1.png").stat().st_size > 1000 and "# hardy plan train" in (tmp_path / "plan.md").read_text()
+    proc = hardy("plan", "compare", "train", "--model", "llama3.1-8b", "--devices", "8", "--tokens", "1e10",
+                 "--hardware-list", "h100-sxm,xeon-spr", "--seq", "4096", "--report", str(tmp_path / "cmp.html"))
+    assert proc.returncode == 0, proc.stderr
+    assert "h100-sxm" in proc.stdout and "xeon-spr" in proc.stdout
+    assert "data:image/png;base64" in (tmp_path / "cmp.html").read_text()
+    proc = hardy("plan", "compare", "serve", "--model", "llama3.1-8b", "--devices", "1", "--hardware-list",
+                 "h100-sxm,epyc-genoa", "--json")
+    rows = json.loads(proc.stdout)
+    assert [r["hardware"] for r in rows] == ["h100-sxm", "epyc-genoa"] and all(r["fits"] for r in rows)
+    assert rows[0]["throughput_tokens_per_s"] > rows[1]["throughput_tokens_per_s"]
+
+
+def test_validate_command_passes():
+    proc = hardy("plan", "validate", "--markdown")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("| ok |") >= 30

@@ -1,0 +1,118 @@
+"""`hardy probe`: one quick run per session (conftest `probe_profile`), checked for schema and plausibility."""
+from __future__ import annotations
+
+import datetime
+import json
+
+import psutil
+import pytest
+import torch
+
+from conftest import run_hardy
+from hardy.ops.probe import SCHEMA, measure_allreduce, measure_matmul
+
+
+@pytest.fixture(scope="module")
+def profile(probe_profile) -> dict:
+    return json.loads(probe_profile.read_text())
+
+
+def test_schema_and_description(profile):
+    assert profile["schema"] == SCHEMA == "hardy.probe/1"
+    assert profile["quick"] is True
+    created = datetime.datetime.fromisoformat(profile["created"].replace("Z", "+00:00"))
+    assert created.tzinfo is not None and abs(created - datetime.datetime.now(datetime.timezone.utc)).days < 1
+    assert profile["torch"] == torch.__version__ and profile["python"] and profile["hostname"]
+    assert profile["threads"] == torch.get_num_threads() >= 1
+    assert 0 < profile["duration_s"] < 60
+    cpu = profile["cpu"]
+    assert cpu["model"] and cpu["physical_cores"] >= 1 and cpu["logical_cpus"] >= cpu["physical_cores"]
+    assert {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"} <= set(cpu["flags"])
+    assert all(isinstance(v, bool) for v in cpu["flags"].values())
+    assert cpu["memory_total_bytes"] >= cpu["memory_available_bytes"] > 0
+    assert profile["gpu"] is None if not torch.cuda.is_available() else profile["gpu"]["count"] >= 1
+
+
+def test_measurements_are_plausible(profile):
+    mm = profile["matmul"]
+    assert set(mm["dtypes"]) == {"fp32", "bf16", "fp16"}
+    for d in mm["dtypes"].values():
+        assert d["sizes"] and d["best_flops"] == max(r["flops"] for r in d["sizes"])
+        for r in d["sizes"]:
+            assert r["flops"] > 0 and r["seconds"] > 0 and r["multiplies"] >= 2
+            assert r["flops"] == pytest.approx(2 * r["size"] ** 3 / r["seconds"])
+    assert mm["dtypes"]["fp32"]["best_flops"] > 1e9
+    assert profile["memory"]["bandwidth"] > 0.5e9
+    assert profile["memory"]["bytes_per_copy"] == 2 * profile["memory"]["buffer_bytes"]
+    disk = profile["disk"]
+    assert disk["write_bandwidth"] > 1e6 and disk["read_bandwidth"] > 1e6 and disk["file_bytes"] == 64 << 20
+    assert isinstance(disk["read_cache_dropped"], bool)
+    assert 0 < profile["dispatch"]["op_overhead_s"] < 1e-3
+    ar = profile["allreduce"]
+    assert "error" not in ar, ar
+    assert ar["processes"] == 2 and ar["threads_per_process"] == 1
+    sizes = [r["bytes"] for r in ar["sizes"]]
+    assert sizes == sorted(sizes) and sizes[0] == 4 << 10 and sizes[-1] == 64 << 20
+    assert 0 < ar["latency_s"] < 1.0 and ar["latency_s"] == ar["sizes"][0]["seconds"]
+    last = ar["sizes"][-1]
+    assert ar["bus_bandwidth"] == pytest.approx(last["bytes"] / last["seconds"])  # 2(n-1)/n = 1 for n = 2
+    assert ar["bus_bandwidth"] > 1e6
+
+
+def test_slow_dtypes_are_sized_down(profile):
+    """A dtype without native support (bf16 on AVX2, fp16 on most CPUs) must never be tried large."""
+    mm = profile["matmul"]
+    fp32 = mm["dtypes"]["fp32"]["best_flops"]
+    if not mm["fast_bf16"]:
+        assert max(r["size"] for r in mm["dtypes"]["bf16"]["sizes"]) < 1024
+    for name, d in mm["dtypes"].items():
+        assert max(r["seconds"] for r in d["sizes"]) < 2.0, name
+        if d["best_flops"] < 0.1 * fp32 and profile["device"] == "cpu":
+            assert max(r["size"] for r in d["sizes"]) < 1024, name
+    assert max(r["size"] for r in mm["dtypes"]["fp32"]["sizes"]) <= 1024  # --quick skips 2048
+
+
+def test_profile_loads_as_hardware(probe_profile, profile):
+    from hardy.cli.probe import table
+    from hardy.plan.hardware import describe_hardware, get_hardware
+
+    hw = get_hardware("probe:" + str(probe_profile))
+    assert hw.name == f"probe:{probe_profile}" and hw.kind == ("gpu" if profile["gpu"] else "cpu")
+    for dtype in ("fp32", "bf16", "fp16"):
+        assert hw.peak(dtype) == profile["matmul"]["dtypes"][dtype]["best_flops"]
+    assert hw.flops_efficiency == hw.bandwidth_efficiency == 1.0
+    assert hw.achievable_bandwidth() == profile["memory"]["bandwidth"]
+    assert hw.intra_node.bandwidth == profile["allreduce"]["bus_bandwidth"]
+    assert hw.intra_node.latency == profile["allreduce"]["latency_s"] and hw.intra_node.efficiency == 1.0
+    assert hw.inter_node.bandwidth == hw.intra_node.bandwidth and hw.inter_node.name != hw.intra_node.name
+    assert hw.disk_write_bandwidth == profile["disk"]["write_bandwidth"]
+    assert hw.op_overhead_s == profile["dispatch"]["op_overhead_s"]
+    assert hw.fast_bf16 is profile["matmul"]["fast_bf16"] and hw.price_per_device_hour is None
+    if hw.kind == "cpu":
+        assert hw.cores == profile["cpu"]["physical_cores"] and hw.devices_per_node == 1
+        assert hw.memory_bytes == profile["cpu"]["memory_total_bytes"]
+    assert hw.sources == (f"hardy probe {profile['created']}",) and hw.date == profile["created"][:10]
+    assert "measured" in hw.efficiency_source
+    assert dict(describe_hardware(hw))["date"] == hw.date
+    assert any(k.startswith("matmul fp32") for k, _ in table(profile))
+
+
+def test_matmul_stops_growing_when_the_next_size_would_be_slow():
+    r = measure_matmul(torch.float32, torch.device("cpu"), [64, 128, 256], min_time=0.0, max_single=0.0)
+    assert [x["size"] for x in r["sizes"]] == [64] and "would take" in r["stopped"]
+    r = measure_matmul(torch.float32, torch.device("cpu"), [32, 64], min_time=0.0, max_single=10.0)
+    assert [x["size"] for x in r["sizes"]] == [32, 64]
+
+
+def test_allreduce_timeout_kills_the_workers():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    r = measure_allreduce(quick=True, timeout=0.5)  # far too short even to import torch
+    assert "did not finish" in r["error"]
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_bad_dir_is_one_line_error(tmp_path):
+    proc = run_hardy("probe", "--quick", "--out", str(tmp_path / "p.json"), "--dir", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("hardy: error: --dir")
+    assert not (tmp_path / "p.json").exists()
