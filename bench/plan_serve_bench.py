@@ -100,7 +100,8 @@ def main() -> None:
     print(f"SmolLM2-135M fp32, batch 1, {args.threads} threads, {len(prompt)}-token prompt, {n_new} new tokens, "
           f"median of {args.repeats}")
     print(f"  plan: {plan.step_bytes_per_device / 1e6:.1f} MB read per step -> step {plan.step_s * 1e3:.1f} ms "
-          f"({plan.bound}-bound; compute {plan.step_compute_s * 1e3:.1f} ms), prefill {plan.prefill_s * 1e3:.1f} ms")
+          f"({plan.bound}-bound; memory {plan.step_memory_s * 1e3:.1f} ms, compute {plan.step_compute_s * 1e3:.1f} ms, "
+          f"dispatch {plan.step_dispatch_s * 1e3:.1f} ms), prefill {plan.prefill_s * 1e3:.1f} ms")
     print(f"  {'':<26}{'predicted':>10}{'measured':>10}{'ratio':>8}")
     for name, p, m in (("decode tokens/s", pred_decode, decode), ("end-to-end tokens/s", pred_e2e, end_to_end)):
         print(f"  {name:<26}{p:10.1f}{m:10.1f}{p / m:8.2f}")

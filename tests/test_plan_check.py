@@ -16,8 +16,10 @@ SIZES = {"micro": ["model.preset=micro", "data.seq_len=256", "train.micro_batch=
          "tiny": ["model.preset=tiny", "data.seq_len=256", "train.micro_batch=8"],
          "smollm2-sized": ["model.preset=smollm2-135m", "data.seq_len=64", "train.micro_batch=2"]}
 LAYOUTS = {"single": (1, []), "ddp2": (2, []), "fsdp2": (2, ["parallel.dp_shard=2"])}
-# Every size, every layout, and activation checkpointing on and off, in seven runs.
-RUNS = [("micro", "single", "none"), ("micro", "fsdp2", "full"), ("tiny", "ddp2", "none"), ("tiny", "single", "full"),
+# Every size, and every layout with activation checkpointing on and off, in seven runs. (micro with
+# checkpointing is left out: its ~40 MiB peak is within the ±25 MiB run-to-run noise of lazily
+# initialized runtime memory measured for that case — BENCHMARKS.md.)
+RUNS = [("micro", "single", "none"), ("micro", "ddp2", "none"), ("tiny", "fsdp2", "full"), ("tiny", "single", "full"),
         ("smollm2-sized", "single", "full"), ("smollm2-sized", "fsdp2", "none"), ("smollm2-sized", "ddp2", "full")]
 
 

@@ -16,7 +16,8 @@ SMOL, L8B, L405B = PRESETS["smollm2-135m"], PRESETS["llama3.1-8b"], PRESETS["lla
 GPU = {"kind": "gpu", "peak_tflops": {"fp32": 100.0, "bf16": 400.0}, "memory_gb": 80.0, "bandwidth_gbs": 2000.0,
        "flops_efficiency": 0.5, "bandwidth_efficiency": 0.8, "devices_per_node": 8,
        "intra_node": {"name": "nvlink", "bandwidth_gbs": 400.0, "latency_us": 5.0, "efficiency": 0.75},
-       "inter_node": {"name": "ib", "bandwidth_gbs": 50.0, "latency_us": 10.0}, "price_per_device_hour": 2.0}
+       "inter_node": {"name": "ib", "bandwidth_gbs": 50.0, "latency_us": 10.0}, "price_per_device_hour": 2.0,
+       "op_overhead_us": 0.0}  # dispatch has its own test
 L40S_LIKE = dict(GPU, memory_gb=48.0, bandwidth_gbs=864.0, peak_tflops={"fp32": 91.6, "bf16": 362.0})
 
 
@@ -66,6 +67,19 @@ def test_large_batch_turns_compute_bound():
     assert large.decode_tokens_per_s_batch > 100 * small.decode_tokens_per_s_batch
 
 
+def test_dispatch_adds_on_cpu_and_hides_behind_gpu_kernels():
+    ops = 30 * 30 + 20  # operators per forward of SmolLM2's 30 layers
+    kw = dict(quant="fp32", context=512, prompt_tokens=8, output_tokens=128)
+    base = plan_serve(SMOL, hw(), **kw)
+    cpu = plan_serve(SMOL, hw(kind="cpu", op_overhead_us=2.0), **kw)
+    assert cpu.step_dispatch_s == pytest.approx(ops * 2e-6)
+    assert cpu.step_s == pytest.approx(base.step_s + ops * 2e-6)
+    gpu = plan_serve(SMOL, hw(op_overhead_us=2.0), **kw)  # 1.8 ms of launches vs 0.42 ms of streaming
+    assert gpu.step_s == pytest.approx(ops * 2e-6) and gpu.bound == "dispatch"
+    big = plan_serve(L8B, hw(op_overhead_us=2.0), batch=1)  # 10 ms of streaming hides the launches
+    assert big.step_dispatch_s == 0 and big.bound == "memory bandwidth"
+
+
 def test_largest_batch_fits_and_one_more_does_not():
     h = hw()
     plan = plan_serve(L8B, h, context=4096)
@@ -84,8 +98,8 @@ def test_tensor_parallel_halves_weights_and_adds_allreduce():
     norms = count_parameters(L8B).norms * 2  # replicated on every device
     assert two.weight_bytes_per_device - norms == pytest.approx((one.weight_bytes_per_device - norms) / 2)
     assert two.kv_bytes_per_sequence_per_device == one.kv_bytes_per_sequence_per_device / 2
-    # 2 all-reduces per layer of batch x dim fp16/bf16 activations on the in-node link (ring, 2 devices)
-    per = 5e-6 + 2 * (2 - 1) / 2 * 8 * 4096 * 2 / (400e9 * 0.75)
+    # 2 all-reduces per layer of batch x dim bf16 activations on the in-node link (ring of 2: 2 hops)
+    per = 2 * 5e-6 + 2 * (2 - 1) / 2 * 8 * 4096 * 2 / (400e9 * 0.75)
     assert one.step_allreduce_s == 0 and two.step_allreduce_s == pytest.approx(2 * 32 * per)
     assert two.step_s < one.step_s and two.max_batch > one.max_batch
 
@@ -135,7 +149,7 @@ def catalogue(tmp_path_factory):
         lines = [f"[hardware.{name}]", f'kind = "{d["kind"]}"', f'memory_gb = {d["memory_gb"]}',
                  f'bandwidth_gbs = {d["bandwidth_gbs"]}', f'flops_efficiency = {d["flops_efficiency"]}',
                  f'bandwidth_efficiency = {d["bandwidth_efficiency"]}', f'devices_per_node = {d["devices_per_node"]}',
-                 f'price_per_device_hour = {d["price_per_device_hour"]}',
+                 f'price_per_device_hour = {d["price_per_device_hour"]}', f'op_overhead_us = {d["op_overhead_us"]}',
                  "peak_tflops = {" + ", ".join(f"{k} = {v}" for k, v in d["peak_tflops"].items()) + "}"]
         for link in ("intra_node", "inter_node"):
             lines.append(f"{link} = {{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d[link].items()) + "}")

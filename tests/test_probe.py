@@ -80,7 +80,13 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     assert hw.name == f"probe:{probe_profile}" and hw.kind == ("gpu" if profile["gpu"] else "cpu")
     for dtype in ("fp32", "bf16", "fp16"):
         assert hw.peak(dtype) == profile["matmul"]["dtypes"][dtype]["best_flops"]
-    assert hw.flops_efficiency == hw.bandwidth_efficiency == 1.0
+    assert hw.flops_efficiency == profile["training_gemm"]["efficiency"] and hw.bandwidth_efficiency == 1.0
+    assert 0 < hw.flops_efficiency <= 1 and hw.elementwise_rate() == profile["elementwise"]["bandwidth"]
+    tr = profile["training_runtime"]
+    assert "error" not in tr, tr
+    assert hw.runtime_overhead_bytes == tr["runtime_overhead_bytes"] >= 0
+    assert hw.distributed_runtime_overhead_bytes == tr["distributed_runtime_overhead_bytes"] >= 0
+    assert tr["peak_bytes_1proc"] > 0 and tr["predicted_tensor_bytes_1proc"] > 0
     assert hw.achievable_bandwidth() == profile["memory"]["bandwidth"]
     assert hw.intra_node.bandwidth == profile["allreduce"]["bus_bandwidth"]
     assert hw.intra_node.latency == profile["allreduce"]["latency_s"] and hw.intra_node.efficiency == 1.0

@@ -38,6 +38,11 @@ def table(profile: dict) -> list[tuple[str, str]]:
         sizes = " ".join(f"{r['size']}:{_g(r['flops'])}" for r in d["sizes"])
         rows.append((f"matmul {name} GFLOP/s", f"best {_g(d['best_flops'])}  (size:GFLOP/s {sizes})"))
     rows.append(("fast bf16 / fp16", f"{mm['fast_bf16']} / {mm['fast_fp16']}  ({mm['threads']} threads)"))
+    if profile.get("training_gemm"):
+        tg, el = profile["training_gemm"], profile["elementwise"]
+        rows.append(("training GEMMs fp32", f"{_g(tg['flops'])} GFLOP/s = "
+                                            f"{100 * tg['efficiency']:.0f}% of the best matmul (fwd + 2 bwd GEMMs)"))
+        rows.append(("elementwise ops GB/s", f"{_g(el['bandwidth'])}  (median of mul/add/silu/square-mean)"))
     mem = profile["memory"]
     rows.append(("memory copy GB/s", f"{_g(mem['bandwidth'])}  ({mem['buffer_bytes'] >> 20} MiB, read+write)"))
     dispatch = profile["dispatch"]
@@ -59,8 +64,9 @@ def table(profile: dict) -> list[tuple[str, str]]:
     tr = profile.get("training_runtime")
     if tr:
         rows.append(("training runtime", f"not measured: {tr['error']}" if "error" in tr else
-                     f"{tr['runtime_overhead_bytes'] / 2 ** 20:.1f} MiB beyond tensors "
-                     f"(micro preset: peak {tr['peak_bytes'] / 2 ** 20:.1f} MiB)"))
+                     f"{tr['runtime_overhead_bytes'] / 2 ** 20:.1f} MiB beyond tensors, "
+                     f"{tr.get('distributed_runtime_overhead_bytes', 0) / 2 ** 20:.1f} MiB per process of 2 "
+                     f"(micro preset runs)"))
     rows.append(("probe took", f"{profile['duration_s']:.1f} s{' (quick)' if profile['quick'] else ''}"))
     return rows
 

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -106,6 +107,53 @@ def _matmul_all(device: torch.device, quick: bool) -> dict:
     min_time, max_single = (0.1, 0.25) if quick else (0.3, 0.5)
     out = {name: measure_matmul(dt, device, sizes, min_time, max_single) for name, dt in DTYPES.items()}
     return out
+
+
+# ---------------------------------------------------------------- training-shaped work
+
+def _best_time(fn, device: torch.device, min_time: float) -> float:
+    fn()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < 3 or (spent < min_time and reps < 50):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return best
+
+
+def measure_training_gemms(device: torch.device, best_flops: float, quick: bool) -> dict:
+    """FLOP/s of the three GEMMs of a linear layer in training — y = x·Wᵀ, dx = dy·W, dW = dyᵀ·x —
+    at transformer-layer shapes (tokens × hidden × ffn), in fp32. Their ratio to the best square
+    matmul is the probe profile's GEMM efficiency: the rate training actually gets here."""
+    shapes = [(512, 576, 1536), (2048, 256, 688)] if device.type == "cpu" else [(8192, 4096, 14336)]
+    if quick:
+        shapes = shapes[:1]
+    rows = []
+    for tokens, d_in, d_out in shapes:
+        x = torch.randn(tokens, d_in, device=device)
+        w = torch.randn(d_out, d_in, device=device)
+        dy = torch.randn(tokens, d_out, device=device)
+        seconds = sum(_best_time(fn, device, 0.1 if quick else 0.3) for fn in
+                      (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x))
+        rows.append({"shape": [tokens, d_in, d_out], "seconds": seconds, "flops": 3 * 2 * tokens * d_in * d_out / seconds})
+    rate = min(r["flops"] for r in rows)
+    return {"shapes": rows, "flops": rate, "efficiency": min(1.0, rate / best_flops)}
+
+
+def measure_elementwise(device: torch.device, quick: bool) -> dict:
+    """Bytes/s that eager elementwise operators achieve on layer-sized fp32 tensors (what norms,
+    activations and residual adds run at) — on a CPU far below a streaming copy."""
+    tokens, width = (512, 1536) if device.type == "cpu" else (8192, 14336)
+    a = torch.randn(tokens, width, device=device)
+    b = torch.randn(tokens, width, device=device)
+    nbytes = a.numel() * a.element_size()
+    ops = {"mul": (lambda: a * b, 3), "add": (lambda: a + b, 3), "silu": (lambda: torch.nn.functional.silu(a), 2),
+           "square-mean": (lambda: a.pow(2).mean(-1, keepdim=True), 3)}
+    rows = {name: count * nbytes / _best_time(fn, device, 0.05 if quick else 0.2) for name, (fn, count) in ops.items()}
+    return {"tensor": [tokens, width], "bandwidth_by_op": rows, "bandwidth": statistics.median(rows.values())}
 
 
 # ---------------------------------------------------------------- per-operator overhead
@@ -311,8 +359,8 @@ def measure_allreduce(quick: bool, timeout: float | None = None) -> dict:
 
 def measure_training_runtime(directory: Path) -> dict:
     """Memory a `hardy train` process holds beyond its tensors (allocator pools, thread stacks,
-    library workspaces, the data loader): a 3-step run of the `micro` preset, whose tensors the
-    planner predicts, in a child process. The planner adds it to every CPU prediction."""
+    library workspaces, the data loader; with 2 processes also gloo and DDP): 3-step runs of the
+    `micro` preset, whose tensors the planner predicts, in child processes (1 process, then 2)."""
     import tempfile
 
     from hardy.data.prepare import prepare
@@ -321,6 +369,12 @@ def measure_training_runtime(directory: Path) -> dict:
     from hardy.plan.hardware import hardware_from_dict
     from hardy.plan.train import plan_train
 
+    nominal = hardware_from_dict("nominal-cpu", {  # memory does not depend on the speeds
+        "kind": "cpu", "peak_tflops": {"fp32": 1.0}, "memory_gb": 1000, "bandwidth_gbs": 10, "flops_efficiency": 1,
+        "bandwidth_efficiency": 1, "devices_per_node": 2, "intra_node": {"name": "-", "bandwidth_gbs": 1,
+                                                                        "latency_us": 1},
+        "inter_node": {"name": "-", "bandwidth_gbs": 1, "latency_us": 1}})
+    out = {"model": "micro", "seq": 64, "micro_batch": 4, "threads": 1}
     with tempfile.TemporaryDirectory(prefix="hardy-probe-", dir=directory) as tmp:
         tmp = Path(tmp)
         text = tmp / "text.txt"
@@ -330,23 +384,24 @@ def measure_training_runtime(directory: Path) -> dict:
         sets = ["model.preset=micro", f"data.path={tmp / 'data'}", "data.seq_len=64", "train.micro_batch=4",
                 "train.steps=3", "train.threads=1", "log.progress=false", "checkpoint.at_end=false",
                 "checkpoint.interval=0", "optim.warmup_steps=1", "train.release_memory=true"]
-        cmd = [sys.executable, "-m", "hardy", "train", "--run-dir", str(tmp / "run"), str(tmp / "empty.toml")]
-        cmd += [a for s in sets for a in ("--set", s)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        if proc.returncode != 0:
-            return {"error": (proc.stderr.strip().splitlines() or ["hardy train failed"])[-1],
-                    "runtime_overhead_bytes": 0}
-        config, events = read_run(tmp / "run")
-    peak = max(e["peak_mem_bytes"] for e in events if e.get("event") == "step")
-    nominal = hardware_from_dict("nominal-cpu", {  # memory does not depend on the speeds
-        "kind": "cpu", "peak_tflops": {"fp32": 1.0}, "memory_gb": 1000, "bandwidth_gbs": 10, "flops_efficiency": 1,
-        "bandwidth_efficiency": 1, "devices_per_node": 1, "intra_node": {"name": "-", "bandwidth_gbs": 1,
-                                                                        "latency_us": 1},
-        "inter_node": {"name": "-", "bandwidth_gbs": 1, "latency_us": 1}})
-    tensors = plan_train(job_for_run(config, nominal)).peak_memory
-    return {"model": "micro", "seq": 64, "micro_batch": 4, "threads": 1, "peak_bytes": peak,
-            "predicted_tensor_bytes": tensors, "runtime_overhead_bytes": max(0.0, peak - tensors)}
+        for nproc, key in ((1, "runtime_overhead_bytes"), (2, "distributed_runtime_overhead_bytes")):
+            run = tmp / f"run{nproc}"
+            launch = ["train"] if nproc == 1 else ["launch", "--nproc", "2"]
+            cmd = [sys.executable, "-m", "hardy", *launch, "--run-dir", str(run), str(tmp / "empty.toml")]
+            cmd += [a for s in sets for a in ("--set", s)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+            if proc.returncode != 0:
+                out["error"] = (proc.stderr.strip().splitlines() or ["hardy train failed"])[-1]
+                out.setdefault("runtime_overhead_bytes", 0.0)
+                break
+            config, events = read_run(run)
+            peak = max(e["peak_mem_bytes"] for e in events if e.get("event") == "step")
+            tensors = plan_train(job_for_run(config, nominal)).peak_memory
+            out[f"peak_bytes_{nproc}proc"] = peak
+            out[f"predicted_tensor_bytes_{nproc}proc"] = tensors
+            out[key] = max(0.0, peak - tensors)
+    return out
 
 
 def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> dict:
@@ -376,6 +431,11 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
         profile["matmul"] = {"device": device.type, "threads": torch.get_num_threads(), "dtypes": dtypes,
                              "fast_bf16": fast_bf16, "fast_fp16": fast_fp16}
 
+    def training_shapes():
+        best = profile["matmul"]["dtypes"]["fp32"]["best_flops"]
+        profile["training_gemm"] = measure_training_gemms(device, best, quick)
+        profile["elementwise"] = measure_elementwise(device, quick)
+
     def memory():
         big = (1 << 30) if device.type == "cuda" else 512 * MiB
         profile["memory"] = measure_copy_bandwidth(device, big // 4 if quick else big, 3 if quick else 5)
@@ -392,7 +452,8 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
     def training():
         profile["training_runtime"] = measure_training_runtime(directory) if device.type == "cpu" else None
 
-    steps = [("system", system), ("matmul", matmul), ("memory bandwidth", memory), ("dispatch", dispatch),
+    steps = [("system", system), ("matmul", matmul), ("training shapes", training_shapes),
+             ("memory bandwidth", memory), ("dispatch", dispatch),
              ("disk", disk), ("all-reduce", allreduce), ("training runtime", training)]
     with tqdm(total=len(steps), disable=not progress, file=sys.stderr, unit="step", leave=False) as bar:
         for name, step in steps:

@@ -58,6 +58,10 @@ class Hardware:
     # workspaces): measured by `hardy probe` for CPU hosts; 0 in the catalogue, whose GPU figures are
     # compared with allocated tensor memory.
     runtime_overhead_bytes: float = 0.0
+    distributed_runtime_overhead_bytes: float = 0.0  # the same, per process of a multi-process job
+    # Bytes/s of eager elementwise operators (norms, activations, residuals); None: the achievable
+    # memory bandwidth (GPU kernels stream near it; a probe measures it, far lower on CPUs).
+    elementwise_bandwidth: float | None = None
     sources: tuple[str, ...] = ()
     date: str = ""  # when the figures (prices above all) were last checked
     efficiency_source: str = ""
@@ -74,6 +78,9 @@ class Hardware:
     def achievable_bandwidth(self) -> float:
         return self.memory_bandwidth * self.bandwidth_efficiency
 
+    def elementwise_rate(self) -> float:
+        return self.elementwise_bandwidth or self.achievable_bandwidth()
+
     def link(self, group_size: int) -> Link:
         """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
@@ -87,7 +94,8 @@ class Hardware:
             self, name=f"{self.name}/{processes}", peak_flops={k: v / processes for k, v in self.peak_flops.items()},
             memory_bytes=self.memory_bytes / processes, memory_bandwidth=self.memory_bandwidth / processes,
             cores=None if self.cores is None else max(1, self.cores // processes), devices_per_node=processes,
-            op_overhead_s=self.op_overhead_s,
+            op_overhead_s=self.op_overhead_s, elementwise_bandwidth=None if self.elementwise_bandwidth is None
+            else self.elementwise_bandwidth / processes,
             disk_write_bandwidth=self.disk_write_bandwidth)
 
 

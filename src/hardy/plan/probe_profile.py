@@ -75,15 +75,22 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
     return Hardware(
         name=name or f"probe:{host}", kind=kind, description=description, peak_flops=peak,
         memory_bytes=memory, memory_bandwidth=_field(profile, "memory.bandwidth", where),
-        flops_efficiency=1.0, bandwidth_efficiency=1.0, devices_per_node=max(1, per_node),
+        flops_efficiency=float((profile.get("training_gemm") or {}).get("efficiency", 1.0)),
+        bandwidth_efficiency=1.0, devices_per_node=max(1, per_node),
+        elementwise_bandwidth=(profile.get("elementwise") or {}).get("bandwidth"),
         intra_node=intra, inter_node=inter,
         disk_write_bandwidth=_field(profile, "disk.write_bandwidth", where), price_per_device_hour=None,
         fast_bf16=bool(_field(profile, "matmul.fast_bf16", where, bool)), cores=device_cores,
         op_overhead_s=_field(profile, "dispatch.op_overhead_s", where),
         runtime_overhead_bytes=float((profile.get("training_runtime") or {}).get("runtime_overhead_bytes", 0.0)),
+        distributed_runtime_overhead_bytes=float((profile.get("training_runtime") or {}).get(
+            "distributed_runtime_overhead_bytes", (profile.get("training_runtime") or {}).get(
+                "runtime_overhead_bytes", 0.0))),
         sources=(f"hardy probe {created}",), date=created[:10],
-        efficiency_source="measured by hardy probe: peaks are the best achieved matmul FLOP/s, bandwidth the "
-                          "achieved copy rate, links the achieved all-reduce, so every efficiency is 1.0")
+        efficiency_source="measured by hardy probe: peaks are the best square-matmul FLOP/s and the GEMM "
+                          "efficiency is what a linear layer's three training GEMMs achieve at layer shapes; "
+                          "bandwidth is the achieved copy rate (elementwise operators: their own measured rate), "
+                          "links the achieved all-reduce")
 
 
 def hardware_from_profile_file(path: Path) -> Hardware:

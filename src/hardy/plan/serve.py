@@ -2,8 +2,9 @@
 
 A roofline model of one request and of one decode step: a step takes the longer of streaming its
 bytes at the achievable memory bandwidth and doing its FLOPs at the achievable FLOP/s, plus the
-tensor-parallel all-reduces, which are not overlapped. Every formula and the assumption behind it
-is written out in docs/planner-serve.md.
+per-operator dispatch cost (hidden behind kernels on GPUs) and the tensor-parallel all-reduces,
+which are not overlapped. Every formula and the assumption behind it is written out in
+docs/planner-serve.md.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 
 from hardy.errors import HardyError
 from hardy.model.config import ModelConfig, count_parameters
-from hardy.plan.hardware import Hardware, Link
+from hardy.plan.hardware import Hardware
+from hardy.plan.timing import OPS_PER_LAYER, ring_allreduce
 
 GROUP = 32  # int8/int4 group size along the reduction dimension (a multiple of 32 in every Llama)
 # Bytes per weight with the quantization scales: int8 = 1 byte + one fp16 scale per group of 32
@@ -79,13 +81,6 @@ def weight_bytes(model: ModelConfig, quant: str, devices: int = 1) -> float:
     return (s.matmul + s.head + s.embedding) * BYTES_PER_WEIGHT[_quant(quant)] + s.norms * _norm_bytes(quant)
 
 
-def allreduce_s(link: Link, nbytes: float, devices: int) -> float:
-    """Ring all-reduce: each device sends and receives 2(D-1)/D of the message, plus one latency."""
-    if devices <= 1:
-        return 0.0
-    return link.latency + 2 * (devices - 1) / devices * nbytes / (link.bandwidth * link.efficiency)
-
-
 def _quant(quant: str) -> str:
     if quant not in BYTES_PER_WEIGHT:
         raise HardyError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
@@ -124,10 +119,11 @@ class ServePlan:
     step_s: float  # = time per output token
     step_memory_s: float
     step_compute_s: float
+    step_dispatch_s: float  # the part of the per-operator host cost not hidden behind kernels
     step_allreduce_s: float
     step_bytes_per_device: float
     step_flops_per_device: float
-    bound: str  # "memory bandwidth" or "compute"
+    bound: str  # "memory bandwidth", "compute" or "dispatch" (the largest term of a step)
     decode_tokens_per_s: float  # per sequence
     decode_tokens_per_s_batch: float  # all sequences of the batch
     request_latency_s: float
@@ -167,7 +163,8 @@ class ServePlan:
             ("prefill (time to first token)", f"{_ms(self.prefill_s)} ({self.prefill_tokens_per_s:,.0f} "
                                               f"tokens/s)"),
             ("decode step (time per token)", f"{_ms(self.step_s)}, {self.bound}-bound (memory "
-                                             f"{_ms(self.step_memory_s)}, compute {_ms(self.step_compute_s)}"
+                                             f"{_ms(self.step_memory_s)}, compute {_ms(self.step_compute_s)}, "
+                                             f"dispatch {_ms(self.step_dispatch_s)}"
                                              + (f", all-reduce {_ms(self.step_allreduce_s)})"
                                                 if self.devices > 1 else ")")),
             ("decode tokens/s", f"{self.decode_tokens_per_s:,.1f} per sequence, "
@@ -193,7 +190,7 @@ def _gb(x: float) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:,.3g} ms" if s < 10 else f"{s:,.1f} s"
+    return f"{s * 1e3:,.3g} ms" if s < 1 else f"{s:,.2f} s"
 
 
 def compute_dtype_for(quant: str, hw: Hardware) -> str:
@@ -231,6 +228,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     bandwidth = hw.achievable_bandwidth()
     act_bytes = 4 if compute == "fp32" else 2
     link = hw.link(devices)
+    ops = OPS_PER_LAYER["llama"] * model.n_layers + 20  # eager operators per forward (+ embedding, head)
     L, dim, dh = model.n_layers, model.dim, model.d_head
 
     w_dev = weight_bytes(model, quant, devices)
@@ -250,18 +248,20 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     # only, causal attention over P(P+1)/2 query-key pairs; the weights are read once.
     pf_flops = 2 * s.matmul * prompt + 2 * s.head + 4 * L * s.q_heads * dh * prompt * (prompt + 1) / 2
     pf_bytes = w_read + row_read * prompt + kv_tok_dev * prompt
-    prefill = (max(pf_flops / flops_rate, pf_bytes / bandwidth)
-               + 2 * L * allreduce_s(link, prompt * dim * act_bytes, devices))
+    pf_roof = max(pf_flops / flops_rate, pf_bytes / bandwidth)
+    prefill = (pf_roof + dispatch_s(hw, ops, pf_roof)
+               + 2 * L * ring_allreduce(prompt * dim * act_bytes, devices, link))
 
     # A decode step at the average context over the generation (the first token comes from prefill).
     avg_ctx = prompt + output_tokens / 2
 
-    def step(b: int) -> tuple[float, float, float, float, float, float]:
+    def step(b: int) -> tuple[float, float, float, float, float, float, float]:
         nbytes = w_read + b * (row_read + kv_tok_dev * avg_ctx)
         flops = b * (2 * (s.matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
-        comm = 2 * L * allreduce_s(link, b * dim * act_bytes, devices)
+        comm = 2 * L * ring_allreduce(b * dim * act_bytes, devices, link)
         mem_s, comp_s = nbytes / bandwidth, flops / flops_rate
-        return max(mem_s, comp_s) + comm, mem_s, comp_s, comm, nbytes, flops
+        disp = dispatch_s(hw, ops, max(mem_s, comp_s))
+        return max(mem_s, comp_s) + disp + comm, mem_s, comp_s, disp, comm, nbytes, flops
 
     def latency(b: int) -> float:
         # Each request waits through b prefills (its own and those of the b - 1 sequences that share
@@ -289,7 +289,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
             notes.append(f"cannot sustain {qps:g} requests/s: at most {qps_max:.3g} at the largest batch "
                          f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
     batch = batch or 1
-    step_s, mem_s, comp_s, comm_s, step_bytes, step_flops = step(batch)
+    step_s, mem_s, comp_s, disp_s, comm_s, step_bytes, step_flops = step(batch)
     if s.kv_replicated:
         notes.append(f"{model.n_kv_heads} KV heads over {devices} devices: KV heads replicated, "
                      f"{s.kv_heads} per device")
@@ -311,13 +311,24 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         kv_heads_per_device=s.kv_heads, kv_replicated=s.kv_replicated, kv_bytes_per_sequence_per_device=kv_seq_dev,
         memory_per_device=w_dev + batch * kv_seq_dev, usable_memory_per_device=usable,
         prefill_s=prefill, prefill_tokens_per_s=prompt / prefill, step_s=step_s, step_memory_s=mem_s,
-        step_compute_s=comp_s, step_allreduce_s=comm_s, step_bytes_per_device=step_bytes,
-        step_flops_per_device=step_flops, bound="memory bandwidth" if mem_s >= comp_s else "compute",
+        step_compute_s=comp_s, step_dispatch_s=disp_s, step_allreduce_s=comm_s, step_bytes_per_device=step_bytes,
+        step_flops_per_device=step_flops, bound=_bound(mem_s, comp_s, ops * hw.op_overhead_s),
         decode_tokens_per_s=1 / step_s, decode_tokens_per_s_batch=batch / step_s, request_latency_s=req_latency,
         throughput_tokens_per_s=throughput, requests_per_s=batch / req_latency, cost_per_hour=price,
         cost_per_million_tokens=per_million(throughput), max_batch_throughput_tokens_per_s=max_throughput,
         max_batch_cost_per_million_tokens=per_million(max_throughput), qps=qps, qps_sustained=qps_sustained,
         qps_max=qps_max, notes=notes)
+
+
+def dispatch_s(hw: Hardware, ops: int, kernels_s: float) -> float:
+    """Host cost of `ops` eager operators: on a CPU it runs on the same cores, before each kernel;
+    GPU launches are asynchronous, so only what exceeds the kernels' own time shows."""
+    total = ops * hw.op_overhead_s
+    return total if hw.kind != "gpu" else max(0.0, total - kernels_s)
+
+
+def _bound(mem_s: float, comp_s: float, dispatch: float) -> str:
+    return max((mem_s, "memory bandwidth"), (comp_s, "compute"), (dispatch, "dispatch"))[1]
 
 
 def _fits(model: ModelConfig, hw: Hardware, devices: int, quant: str, kv_dtype: str, context: int) -> bool:

@@ -116,7 +116,7 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     elif s.recompute == "selective":  # softmax and dropout over the scores run twice
         elem += s.recompute_fraction / 3 * layer_elementwise_bytes(arch, s, scores_only=True)
     return {"flops": 3 * fwd + extra, "gemm": (3 * fwd + extra) / flops_rate,
-            "elementwise": elem / hw.achievable_bandwidth(), "tp": tp_comm_per_layer(arch, s, hw.link(s.tp))}
+            "elementwise": elem / hw.elementwise_rate(), "tp": tp_comm_per_layer(arch, s, hw.link(s.tp))}
 
 
 @dataclass
@@ -148,7 +148,7 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     head_flops = 3 * 2 * tokens * arch.vocab_size * arch.dim / s.tp  # last stage: logits fwd + bwd
     mb_flops = layers * layer["flops"] + head_flops
     mb_compute = layers * layer["gemm"] + head_flops / flops_rate
-    mb_elem = layers * layer["elementwise"] + 3 * 2 * tokens * arch.vocab_size * 4 / s.tp / bw  # fp32 loss logits
+    mb_elem = layers * layer["elementwise"] + 3 * 2 * tokens * arch.vocab_size * 4 / s.tp / hw.elementwise_rate()
     ops = 3 * OPS_PER_LAYER[arch.family] * layers + 20
     dispatch = ops * hw.op_overhead_s
     if hw.kind == "gpu":  # launches overlap running kernels: only what exceeds the GPU work shows

@@ -230,7 +230,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
         peaks[stage] = (max(fwd_bwd, opt_step), acts, st)
     stage = max(peaks, key=lambda k: peaks[k][0])
     peak, acts, st = peaks[stage]
-    overhead = hw.runtime_overhead_bytes
+    overhead = hw.distributed_runtime_overhead_bytes if job.devices > 1 else hw.runtime_overhead_bytes
     memory = {"weights": st["weights"], "gradients": st["gradients"], "optimizer": st["optimizer"],
               "activations": acts, "buffers": buffers, "optimizer_temporaries": opt_temp,
               "runtime": overhead, "peak": peak + overhead}
