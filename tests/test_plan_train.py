@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from conftest import REPO
-from hardy.errors import HardyError
 from hardy.fault.policy import daly_interval, expected_goodput
 from hardy.model.config import ModelConfig, count_parameters, get_preset
 from hardy.plan.arch import arch_from_llama, load_arch

@@ -45,7 +45,7 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
     communication buffers go back to the OS at once. glibc's default threshold grows up to 32 MB
     and its heap then keeps freed blocks: under FSDP2 on CPU, RSS grew step after step (measured:
     1.7 → 2.3 GB over 4 steps of a 135M model) instead of reusing them. Costs page faults on every
-    large allocation (training 8-50% slower here), hence opt-in (`train.release_memory`).
+    large allocation (training steps 1.5-2x as long here), hence opt-in (`train.release_memory`).
     False where this is not glibc."""
     name = ctypes.util.find_library("c")
     try:

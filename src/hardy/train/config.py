@@ -65,7 +65,7 @@ class TrainSection:
     threads: int = 0  # 0 = leave torch's default (torchrun sets OMP_NUM_THREADS=1 per process)
     # CPU: hand freed memory back to the OS at once (glibc mmap for blocks >= 64 KiB). Peak RSS then
     # tracks live tensors (what `hardy plan` predicts) instead of growing with heap fragmentation
-    # (FSDP2 on gloo: +100 MB per step), at a speed cost measured at 8-50% (BENCHMARKS.md).
+    # (FSDP2 on gloo: +100 MB per step), at a speed cost: steps took 1.5-2x as long here (BENCHMARKS.md).
     release_memory: bool = False
 
     def __post_init__(self):
