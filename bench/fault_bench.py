@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -154,6 +155,10 @@ def bench_goodput(args) -> None:
     summary = json.loads((run / "summary.json").read_text())
     g = summary["goodput"]
     ev = _events(run)
+    # The failure rate is per step: the MTBF the run actually had comes from its own step time
+    # (the calibration's can differ on a shared machine).
+    step_s = statistics.median(e["step_time_s"] for e in ev if e["event"] == "step")
+    mtbf_s = step_s / args.rate
     saves = [e for e in ev if e["event"] == "checkpoint"]
     restart_s = g["losses_s"]["restarts"] / max(1, g["restarts"])
     steps_between = statistics.median(b["step"] - a["step"] for a, b in zip(saves, saves[1:])) if len(saves) > 1 else 0
@@ -163,7 +168,7 @@ def bench_goodput(args) -> None:
     predicted_steps = expected_goodput_step_failures(interval_s, stall, mtbf_s, restart_s)
     # The wall-clock MTBF that actually happened (failures / wall time) for reference.
     print(f"tiny preset, {args.steps} steps, failure probability {args.rate} per step (seed {args.seed}): "
-          f"step {step_s:.3f} s -> MTBF {mtbf_s:.1f} s")
+          f"median step {step_s:.3f} s -> MTBF {mtbf_s:.1f} s")
     print(f"  failures: {g['restarts']}, checkpoints: {len(saves)} (auto interval: every {steps_between} steps "
           f"= {interval_s:.2f} s), stall {stall:.3f} s, restart {restart_s:.2f} s each")
     print(f"  measured goodput  {100 * g['goodput']:5.1f}%   (wall {g['wall_s']:.1f} s, useful {g['useful_s']:.1f} s)")
@@ -173,10 +178,10 @@ def bench_goodput(args) -> None:
           f"{100 * predicted_steps:5.1f}%   difference {100 * (g['goodput'] - predicted_steps):+.1f} points")
     for key, value in g["losses_s"].items():
         print(f"    lost to {key:<12} {value:7.1f} s")
-    planner_goodput(run, root, restart_s, g["goodput"])
+    planner_goodput(run, root, restart_s, mtbf_s, g["goodput"])
 
 
-def planner_goodput(run: Path, root: Path, restart_s: float, measured: float) -> None:
+def planner_goodput(run: Path, root: Path, restart_s: float, mtbf_s: float, measured: float) -> None:
     """`hardy plan`'s own prediction for the same job: its checkpoint stall (bytes ÷ the probed disk
     bandwidth), its Daly interval and goodput, with the injected MTBF and the measured restart time."""
     from hardy.plan.check import job_for_run, probe_threads, read_run, run_hardware
@@ -189,8 +194,8 @@ def planner_goodput(run: Path, root: Path, restart_s: float, measured: float) ->
     spec = f"probe:{profile}"
     config, _ = read_run(run)
     threads = int(config["train"]["threads"] or 0)
-    plan = plan_train(job_for_run(config, run_hardware(get_hardware(spec), 1, threads, probe_threads(spec)),
-                                  restart_s=restart_s))
+    job = job_for_run(config, run_hardware(get_hardware(spec), 1, threads, probe_threads(spec)), restart_s=restart_s)
+    plan = plan_train(dataclasses.replace(job, device_mtbf_hours=mtbf_s / 3600))
     r = plan.reliability
     print(f"  hardy plan: stall {r['checkpoint_stall_s']:.3f} s, Daly interval {r['interval_s']:.2f} s, goodput "
           f"{100 * r['goodput']:5.1f}%   difference {100 * (measured - r['goodput']):+.1f} points")

@@ -82,6 +82,10 @@ def test_profile_loads_as_hardware(probe_profile, profile):
         assert hw.peak(dtype) == profile["matmul"]["dtypes"][dtype]["best_flops"]
     assert hw.flops_efficiency == profile["training_gemm"]["efficiency"] and hw.bandwidth_efficiency == 1.0
     assert 0 < hw.flops_efficiency <= 1 and hw.elementwise_rate() == profile["elementwise"]["bandwidth"]
+    assert hw.decode_rate() == profile["gemv"]["bandwidth"] > 0
+    by_width = {int(w): r for w, r in profile["gemv"]["bandwidth_by_width"].items()}
+    assert hw.decode_rate(576) == by_width[576] and hw.decode_rate(100_000) == by_width[4096]
+    assert min(by_width.values()) <= hw.decode_rate(1000) <= max(by_width.values())
     tr = profile["training_runtime"]
     assert "error" not in tr, tr
     assert hw.runtime_overhead_bytes == tr["runtime_overhead_bytes"] >= 0

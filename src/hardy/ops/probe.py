@@ -156,6 +156,21 @@ def measure_elementwise(device: torch.device, quick: bool) -> dict:
     return {"tensor": [tokens, width], "bandwidth_by_op": rows, "bandwidth": statistics.median(rows.values())}
 
 
+def measure_gemv(device: torch.device, quick: bool) -> dict:
+    """Rate at which a batch-1 matrix-vector product (decoding one token) reads fp32 weights, at
+    widths from a small model's to a 7B model's: on a CPU well below a streaming copy (measured
+    11-20 GB/s against a 30-48 GB/s copy here). The median is the profile's decode bandwidth."""
+    widths = (576, 1536, 4096)
+    rows = {}
+    for width in widths:
+        # 64 MiB of weights: decoding streams them from DRAM (a matrix that fits in cache would not)
+        w = torch.randn(max(width, (64 * MiB) // (4 * width)), width, device=device)
+        x = torch.randn(1, width, device=device)
+        seconds = _best_time(lambda: x @ w.t(), device, 0.05 if quick else 0.2)
+        rows[str(width)] = w.numel() * w.element_size() / seconds
+    return {"bandwidth_by_width": rows, "bandwidth": statistics.median(rows.values())}
+
+
 # ---------------------------------------------------------------- per-operator overhead
 
 def measure_op_overhead(device: torch.device, chain: int = 200, repeats: int = 10) -> dict:
@@ -435,6 +450,7 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
         best = profile["matmul"]["dtypes"]["fp32"]["best_flops"]
         profile["training_gemm"] = measure_training_gemms(device, best, quick)
         profile["elementwise"] = measure_elementwise(device, quick)
+        profile["gemv"] = measure_gemv(device, quick)
 
     def memory():
         big = (1 << 30) if device.type == "cuda" else 512 * MiB

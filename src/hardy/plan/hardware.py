@@ -8,6 +8,7 @@ measurement per entry and are the same for every workload: the planner never tun
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,10 @@ class Hardware:
     # Bytes/s of eager elementwise operators (norms, activations, residuals); None: the achievable
     # memory bandwidth (GPU kernels stream near it; a probe measures it, far lower on CPUs).
     elementwise_bandwidth: float | None = None
+    # Bytes/s a batch-1 matrix-vector product reads weights at (decode), overall and by matrix width
+    # (the reduction dimension); None / empty: the achievable bandwidth.
+    decode_bandwidth: float | None = None
+    decode_bandwidth_by_width: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
     date: str = ""  # when the figures (prices above all) were last checked
     efficiency_source: str = ""
@@ -81,6 +86,20 @@ class Hardware:
     def elementwise_rate(self) -> float:
         return self.elementwise_bandwidth or self.achievable_bandwidth()
 
+    def decode_rate(self, width: int | None = None) -> float:
+        """Weight-streaming rate of decode; with measurements by width, interpolated (in log width)
+        at the model's hidden size, clamped to the measured range."""
+        table = sorted(self.decode_bandwidth_by_width)
+        if width is None or not table:
+            return self.decode_bandwidth or self.achievable_bandwidth()
+        if width <= table[0][0]:
+            return table[0][1]
+        for (w0, r0), (w1, r1) in zip(table, table[1:]):
+            if width <= w1:
+                f = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
+                return r0 + f * (r1 - r0)
+        return table[-1][1]
+
     def link(self, group_size: int) -> Link:
         """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
@@ -96,6 +115,8 @@ class Hardware:
             cores=None if self.cores is None else max(1, self.cores // processes), devices_per_node=processes,
             op_overhead_s=self.op_overhead_s, elementwise_bandwidth=None if self.elementwise_bandwidth is None
             else self.elementwise_bandwidth / processes,
+            decode_bandwidth=None if self.decode_bandwidth is None else self.decode_bandwidth / processes,
+            decode_bandwidth_by_width=tuple((w, r / processes) for w, r in self.decode_bandwidth_by_width),
             disk_write_bandwidth=self.disk_write_bandwidth)
 
 

@@ -78,6 +78,9 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
         flops_efficiency=float((profile.get("training_gemm") or {}).get("efficiency", 1.0)),
         bandwidth_efficiency=1.0, devices_per_node=max(1, per_node),
         elementwise_bandwidth=(profile.get("elementwise") or {}).get("bandwidth"),
+        decode_bandwidth=(profile.get("gemv") or {}).get("bandwidth"),
+        decode_bandwidth_by_width=tuple(sorted((int(w), float(r)) for w, r in
+                                               ((profile.get("gemv") or {}).get("bandwidth_by_width") or {}).items())),
         intra_node=intra, inter_node=inter,
         disk_write_bandwidth=_field(profile, "disk.write_bandwidth", where), price_per_device_hour=None,
         fast_bf16=bool(_field(profile, "matmul.fast_bf16", where, bool)), cores=device_cores,

@@ -226,6 +226,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     compute = compute_dtype_for(quant, hw)
     flops_rate = hw.achievable_flops(compute)
     bandwidth = hw.achievable_bandwidth()
+    decode_bandwidth = hw.decode_rate(model.dim)  # batch-1 weight streaming (a probe measures it on CPUs)
     act_bytes = 4 if compute == "fp32" else 2
     link = hw.link(devices)
     ops = OPS_PER_LAYER["llama"] * model.n_layers + 20  # eager operators per forward (+ embedding, head)
@@ -259,7 +260,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         nbytes = w_read + b * (row_read + kv_tok_dev * avg_ctx)
         flops = b * (2 * (s.matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
         comm = 2 * L * ring_allreduce(b * dim * act_bytes, devices, link)
-        mem_s, comp_s = nbytes / bandwidth, flops / flops_rate
+        mem_s, comp_s = nbytes / decode_bandwidth, flops / flops_rate
         disp = dispatch_s(hw, ops, max(mem_s, comp_s))
         return max(mem_s, comp_s) + disp + comm, mem_s, comp_s, disp, comm, nbytes, flops
 
