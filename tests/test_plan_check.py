@@ -13,7 +13,7 @@ from hardy.plan.hardware import get_hardware
 from trainutil import launch
 
 SIZES = {"micro": ["model.preset=micro", "data.seq_len=256", "train.micro_batch=16"],
-         "tiny": ["model.preset=tiny", "data.seq_len=256", "train.micro_batch=8"],
+         "tiny": ["model.preset=tiny", "data.seq_len=256", "train.micro_batch=32"],
          "smollm2-sized": ["model.preset=smollm2-135m", "data.seq_len=64", "train.micro_batch=2"]}
 LAYOUTS = {"single": (1, []), "ddp2": (2, []), "fsdp2": (2, ["parallel.dp_shard=2"])}
 # Every size, and every layout with activation checkpointing on and off, in seven runs. (micro with
