@@ -69,11 +69,6 @@ def _job(args, hw, arch):
                         virtual_stages=args.virtual_stages)))
 
 
-def _search_label(p) -> str:
-    j = p.job
-    return f"tp{j.tp} pp{j.pp} dp{p.dims.dp} z{j.zero} {j.ac} mb{j.micro_batch}"
-
-
 def run_train(args) -> int:
     from hardy.plan.arch import load_arch
     from hardy.plan.hardware import get_hardware
@@ -95,7 +90,7 @@ def run_train(args) -> int:
             print(json.dumps({"tried": tried, "fitting": len(plans), "plans": [p.to_dict() for p in top]}))
         else:
             print(f"{len(plans)} of {tried} configurations fit on {args.devices} x {hw.name}; best by {args.rank_by}:")
-            rows = [[i + 1, _search_label(p), fmt_bytes(p.peak_memory), fmt_time(p.step_s), f"{100 * p.mfu:.1f}%",
+            rows = [[i + 1, p.label, fmt_bytes(p.peak_memory), fmt_time(p.step_s), f"{100 * p.mfu:.1f}%",
                      f"{100 * p.reliability['goodput']:.1f}%",
                      fmt_time(p.effective_time_s) if job.tokens else "-",
                      "-" if p.cost is None else f"${p.cost:,.0f}"] for i, p in enumerate(top)]
@@ -103,11 +98,11 @@ def run_train(args) -> int:
         if args.report:
             best = plans[0]
             points = [(p.step_s if not job.tokens else p.effective_time_s / 3600,
-                       (p.cost if p.cost is not None else p.peak_memory / 1e9), _search_label(p)) for p in plans]
+                       (p.cost if p.cost is not None else p.peak_memory / 1e9), p.label) for p in plans]
             ylabel = "cost (USD)" if plans[0].cost is not None else "memory per device (GB)"
             figs = [pareto_figure(points, "time to train (h)" if job.tokens else "step time (s)", ylabel,
                                   f"{arch.name} on {args.devices} x {hw.name}: searched configurations"),
-                    memory_figure(top[:6], [_search_label(p) for p in top[:6]])]
+                    memory_figure(top[:6], [p.label for p in top[:6]])]
             write_report(Path(args.report), f"hardy plan train --search: {arch.name}",
                          [("best configuration", print_rows(train_plan_rows(best)))], figs)
         return 0
@@ -156,7 +151,12 @@ def run_compare(args) -> int:
     if args.hardware:
         names = [args.hardware] + [n for n in names if n != args.hardware]
     hws = [get_hardware(n.strip(), args.catalogue) for n in names if n.strip()]
-    headers, rows, records = (compare_train if args.workload == "train" else compare_serve)(args, hws)
+    if args.workload == "train":
+        from hardy.plan.arch import load_arch
+
+        headers, rows, records = compare_train(_job(args, hws[0], load_arch(args.model)), hws)
+    else:
+        headers, rows, records = compare_serve(args, hws)
     if args.json:
         print(json.dumps(records))
     else:

@@ -40,6 +40,15 @@ def reset_peak_rss() -> bool:
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
+def _libc():
+    """The C library, or None where it cannot be loaded."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
     """Serve allocations of `threshold` bytes or more with mmap, so freed activations and
     communication buffers go back to the OS at once. glibc's default threshold grows up to 32 MB
@@ -47,11 +56,10 @@ def return_freed_memory_to_os(threshold: int = 64 * 1024) -> bool:
     1.7 → 2.3 GB over 4 steps of a 135M model) instead of reusing them. Costs page faults on every
     large allocation (training steps 1.5-2x as long here), hence opt-in (`train.release_memory`).
     False where this is not glibc."""
-    name = ctypes.util.find_library("c")
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(name) if name else None
         return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
-    except (OSError, AttributeError):
+    except AttributeError:  # not glibc
         return False
 
 
@@ -59,11 +67,11 @@ def trim_heap() -> None:
     """Collect garbage and return the heap's free blocks to the OS (glibc `malloc_trim`), so a
     baseline taken afterwards is not inflated by memory that start-up code already freed."""
     gc.collect()
-    name = ctypes.util.find_library("c")
+    libc = _libc()
     try:
-        if name:
-            ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
+        if libc:
+            libc.malloc_trim(0)
+    except AttributeError:  # not glibc
         pass
 
 

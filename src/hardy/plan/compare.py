@@ -9,29 +9,29 @@ from hardy.plan.arch import load_arch
 from hardy.plan.report import fmt_bytes, fmt_time
 
 
-def compare_train(args, hws) -> tuple[list[str], list[list], list[dict]]:
-    from hardy.cli.plan_train import _job, _search_label
+def compare_train(base, hws) -> tuple[list[str], list[list], list[dict]]:
+    """The best configuration of `base` (a TrainJob) on each hardware entry; hardware without fast
+    16-bit matmul is planned in fp32."""
     from hardy.plan.train import search
 
-    arch = load_arch(args.model)
     headers = ["hardware", "devices", "precision", "best configuration", "memory/device", "headroom", "step", "MFU",
                "goodput", "time to train", "cost"]
     rows, records = [], []
     for hw in hws:
-        precision = args.precision if args.precision in hw.peak_flops and hw.fast_bf16 else "fp32"
-        job = replace(_job(args, hw, arch), precision=precision)
+        precision = base.precision if base.precision in hw.peak_flops and hw.fast_bf16 else "fp32"
+        job = replace(base, hw=hw, precision=precision)
         plans, tried = search(job, "time", limit=1)
         if not plans:
-            rows.append([hw.name, args.devices, precision, f"does not fit ({tried} configurations tried)"] + ["-"] * 7)
+            rows.append([hw.name, base.devices, precision, f"does not fit ({tried} configurations tried)"] + ["-"] * 7)
             records.append({"hardware": hw.name, "fits": False})
             continue
         p = plans[0]
         head = 1 - p.peak_memory / hw.memory_bytes
-        rows.append([hw.name, args.devices, precision, _search_label(p), fmt_bytes(p.peak_memory), f"{100 * head:.0f}%",
+        rows.append([hw.name, base.devices, precision, p.label, fmt_bytes(p.peak_memory), f"{100 * head:.0f}%",
                      fmt_time(p.step_s), f"{100 * p.mfu:.1f}%", f"{100 * p.reliability['goodput']:.1f}%",
                      fmt_time(p.effective_time_s) if job.tokens else "-",
                      "-" if p.cost is None else f"${p.cost:,.0f}"])
-        records.append({"hardware": hw.name, "fits": True, "configuration": _search_label(p),
+        records.append({"hardware": hw.name, "fits": True, "configuration": p.label,
                         "memory_per_device": p.peak_memory, "headroom": head, "step_s": p.step_s, "mfu": p.mfu,
                         "goodput": p.reliability["goodput"], "time_s": p.effective_time_s if job.tokens else None,
                         "tokens_per_s": p.tokens_per_s, "cost_usd": p.cost})

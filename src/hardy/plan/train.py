@@ -61,6 +61,12 @@ class TrainPlan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def label(self) -> str:
+        """The configuration in one short line (search results, plots)."""
+        j = self.job
+        return f"tp{j.tp} pp{j.pp} dp{self.dims.dp} z{j.zero} {j.ac} mb{j.micro_batch}"
+
+    @property
     def peak_memory(self) -> float:
         return self.memory["peak"]
 
