@@ -83,6 +83,17 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     assert hw.flops_efficiency == profile["training_gemm"]["efficiency"] and hw.bandwidth_efficiency == 1.0
     assert 0 < hw.flops_efficiency <= 1 and hw.elementwise_rate() == profile["elementwise"]["bandwidth"]
     assert hw.decode_rate() == profile["gemv"]["bandwidth"] > 0
+    gemm = {int(w): e for w, e in profile["training_gemm"]["efficiency_by_width"].items()}
+    assert len(gemm) >= 2 and all(0 < e <= 1 for e in gemm.values())
+    assert hw.gemm_rate("fp32", min(gemm)) == pytest.approx(hw.peak("fp32") * gemm[min(gemm)])
+    assert hw.gemm_rate("fp32", 1 << 20) == pytest.approx(hw.peak("fp32") * gemm[max(gemm)])
+    attn = {int(h): e for h, e in profile["attention"]["efficiency_by_head_dim"].items()}
+    assert set(attn) == {16, 32, 64, 128} and all(0 < e <= 1 for e in attn.values())
+    assert hw.attention_rate("fp32", 16) == pytest.approx(hw.peak("fp32") * attn[16])
+    low, high = sorted((attn[32], attn[64]))
+    assert low * hw.peak("fp32") <= hw.attention_rate("fp32", 48) <= high * hw.peak("fp32") * (1 + 1e-9)
+    el = profile["elementwise"]
+    assert el["bytes"] > 0 and el["ops"] > 20 and el["bandwidth"] > 1e8
     by_width = {int(w): r for w, r in profile["gemv"]["bandwidth_by_width"].items()}
     assert hw.decode_rate(576) == by_width[576] and hw.decode_rate(100_000) == by_width[4096]
     assert min(by_width.values()) <= hw.decode_rate(1000) <= max(by_width.values())

@@ -40,9 +40,15 @@ def table(profile: dict) -> list[tuple[str, str]]:
     rows.append(("fast bf16 / fp16", f"{mm['fast_bf16']} / {mm['fast_fp16']}  ({mm['threads']} threads)"))
     if profile.get("training_gemm"):
         tg, el = profile["training_gemm"], profile["elementwise"]
-        rows.append(("training GEMMs fp32", f"{_g(tg['flops'])} GFLOP/s = "
-                                            f"{100 * tg['efficiency']:.0f}% of the best matmul (fwd + 2 bwd GEMMs)"))
-        rows.append(("elementwise ops GB/s", f"{_g(el['bandwidth'])}  (median of mul/add/silu/square-mean)"))
+        by_width = " ".join(f"{w}:{100 * e:.0f}%" for w, e in sorted((tg.get("efficiency_by_width") or {}).items(), key=lambda kv: int(kv[0])))
+        rows.append(("training GEMMs fp32", f"{_g(tg['flops'])} GFLOP/s = {100 * tg['efficiency']:.0f}% of the best "
+                                            f"matmul (fwd + 2 bwd GEMMs; by width {by_width})"))
+        attn = profile.get("attention")
+        if attn:
+            by_head = " ".join(f"{h}:{_g(r['flops'])}" for h, r in sorted(attn["by_head_dim"].items(), key=lambda kv: int(kv[0])))
+            rows.append(("attention fwd+bwd", f"GFLOP/s by head size {by_head}  (causal SDPA, seq {attn['seq']})"))
+        note = "a Llama layer's non-GEMM operators, fwd + bwd" if "layer" in el else "median of mul/add/silu/square-mean"
+        rows.append(("elementwise ops GB/s", f"{_g(el['bandwidth'])}  ({note})"))
     mem = profile["memory"]
     rows.append(("memory copy GB/s", f"{_g(mem['bandwidth'])}  ({mem['buffer_bytes'] >> 20} MiB, read+write)"))
     dispatch = profile["dispatch"]

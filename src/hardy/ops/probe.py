@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -21,16 +20,13 @@ import psutil
 import torch
 
 from hardy.errors import HardyError
+from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv,
+                                    measure_training_gemms, sync)
 
 SCHEMA = "hardy.probe/1"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sve", "bf16", "i8mm")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KiB, MiB = 1 << 10, 1 << 20
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- system description
@@ -75,20 +71,20 @@ def measure_matmul(dtype: torch.dtype, device: torch.device, sizes: list[int], m
     for size in sizes:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         a @ b  # warm-up: kernel selection / JIT and first-touch of the output
-        _sync(device)
+        sync(device)
         first = time.perf_counter() - t0
         # On a GPU one multiply is microseconds: time a batch so the timer and launch noise vanish.
         inner = max(1, min(200, int(0.005 / max(first, 1e-7))))
         best, spent, reps = float("inf"), 0.0, 0
         while reps < 2 or (spent < min_time and reps < 100):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(inner):
                 a @ b
-            _sync(device)
+            sync(device)
             dt = time.perf_counter() - t0
             best, spent, reps = min(best, dt / inner), spent + dt, reps + 1
         rows.append({"size": size, "seconds": best, "flops": 2 * size ** 3 / best, "multiplies": reps * inner})
@@ -109,68 +105,6 @@ def _matmul_all(device: torch.device, quick: bool) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- training-shaped work
-
-def _best_time(fn, device: torch.device, min_time: float) -> float:
-    fn()
-    best, spent, reps = float("inf"), 0.0, 0
-    while reps < 3 or (spent < min_time and reps < 50):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        dt = time.perf_counter() - t0
-        best, spent, reps = min(best, dt), spent + dt, reps + 1
-    return best
-
-
-def measure_training_gemms(device: torch.device, best_flops: float, quick: bool) -> dict:
-    """FLOP/s of the three GEMMs of a linear layer in training — y = x·Wᵀ, dx = dy·W, dW = dyᵀ·x —
-    at transformer-layer shapes (tokens × hidden × ffn), in fp32. Their ratio to the best square
-    matmul is the probe profile's GEMM efficiency: the rate training actually gets here."""
-    shapes = [(512, 576, 1536), (2048, 256, 688)] if device.type == "cpu" else [(8192, 4096, 14336)]
-    if quick:
-        shapes = shapes[:1]
-    rows = []
-    for tokens, d_in, d_out in shapes:
-        x = torch.randn(tokens, d_in, device=device)
-        w = torch.randn(d_out, d_in, device=device)
-        dy = torch.randn(tokens, d_out, device=device)
-        seconds = sum(_best_time(fn, device, 0.1 if quick else 0.3) for fn in
-                      (lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x))
-        rows.append({"shape": [tokens, d_in, d_out], "seconds": seconds, "flops": 3 * 2 * tokens * d_in * d_out / seconds})
-    rate = min(r["flops"] for r in rows)
-    return {"shapes": rows, "flops": rate, "efficiency": min(1.0, rate / best_flops)}
-
-
-def measure_elementwise(device: torch.device, quick: bool) -> dict:
-    """Bytes/s that eager elementwise operators achieve on layer-sized fp32 tensors (what norms,
-    activations and residual adds run at) — on a CPU far below a streaming copy."""
-    tokens, width = (512, 1536) if device.type == "cpu" else (8192, 14336)
-    a = torch.randn(tokens, width, device=device)
-    b = torch.randn(tokens, width, device=device)
-    nbytes = a.numel() * a.element_size()
-    ops = {"mul": (lambda: a * b, 3), "add": (lambda: a + b, 3), "silu": (lambda: torch.nn.functional.silu(a), 2),
-           "square-mean": (lambda: a.pow(2).mean(-1, keepdim=True), 3)}
-    rows = {name: count * nbytes / _best_time(fn, device, 0.05 if quick else 0.2) for name, (fn, count) in ops.items()}
-    return {"tensor": [tokens, width], "bandwidth_by_op": rows, "bandwidth": statistics.median(rows.values())}
-
-
-def measure_gemv(device: torch.device, quick: bool) -> dict:
-    """Rate at which a batch-1 matrix-vector product (decoding one token) reads fp32 weights, at
-    widths from a small model's to a 7B model's: on a CPU well below a streaming copy (measured
-    11-20 GB/s against a 30-48 GB/s copy here). The median is the profile's decode bandwidth."""
-    widths = (576, 1536, 4096)
-    rows = {}
-    for width in widths:
-        # 64 MiB of weights: decoding streams them from DRAM (a matrix that fits in cache would not)
-        w = torch.randn(max(width, (64 * MiB) // (4 * width)), width, device=device)
-        x = torch.randn(1, width, device=device)
-        seconds = _best_time(lambda: x @ w.t(), device, 0.05 if quick else 0.2)
-        rows[str(width)] = w.numel() * w.element_size() / seconds
-    return {"bandwidth_by_width": rows, "bandwidth": statistics.median(rows.values())}
-
-
 # ---------------------------------------------------------------- per-operator overhead
 
 def measure_op_overhead(device: torch.device, chain: int = 200, repeats: int = 10) -> dict:
@@ -182,19 +116,19 @@ def measure_op_overhead(device: torch.device, chain: int = 200, repeats: int = 1
     w = torch.ones(4, device=device, requires_grad=True)
     train = plain = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         y = x
         for _ in range(chain):
             y = y * w
         y.sum().backward()
-        _sync(device)
+        sync(device)
         train = min(train, (time.perf_counter() - t0) / (3 * chain))
         with torch.no_grad():
             t0 = time.perf_counter()
             for _ in range(chain):
                 torch.mul(x, w)
-            _sync(device)
+            sync(device)
             plain = min(plain, (time.perf_counter() - t0) / chain)
     return {"device": device.type, "op": "multiply of 4 elements", "chain": chain, "repeats": repeats,
             "op_overhead_s": train, "no_grad_op_s": plain}
@@ -214,10 +148,10 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> d
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return {"device": device.type, "buffer_bytes": nbytes, "bytes_per_copy": 2 * nbytes, "repeats": repeats,
             "best_seconds": best, "bandwidth": 2 * nbytes / best}
@@ -293,12 +227,12 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         for _ in range(2):
             dist.all_reduce(x)  # warm-up: connections and buffers
-        _sync(device)
+        sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(5):
             dist.all_reduce(x)
-        _sync(device)
+        sync(device)
         one = (time.perf_counter() - t0) / 5
         # Both ranks must run the same loops: rank 0 decides the count and broadcasts it.
         count = torch.tensor([max(2, min(1000, int(target / 3 / max(one, 1e-7))))], dtype=torch.int64, device=device)
@@ -310,7 +244,7 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
             t0 = time.perf_counter()
             for _ in range(n):
                 dist.all_reduce(x)
-            _sync(device)
+            sync(device)
             took = torch.tensor([(time.perf_counter() - t0) / n], dtype=torch.float64, device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
             best = min(best, float(took.item()))
@@ -449,6 +383,7 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
     def training_shapes():
         best = profile["matmul"]["dtypes"]["fp32"]["best_flops"]
         profile["training_gemm"] = measure_training_gemms(device, best, quick)
+        profile["attention"] = measure_attention(device, best, quick)
         profile["elementwise"] = measure_elementwise(device, quick)
         profile["gemv"] = measure_gemv(device, quick)
 

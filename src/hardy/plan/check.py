@@ -3,7 +3,6 @@ what the run measured — peak memory, step time, tokens/s, checkpoint stall —
 of the machine that ran it."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -33,10 +32,7 @@ def run_hardware(machine: Hardware, world: int, threads: int, probe_threads: int
     """One training process's share of the probed machine: its threads' share of the FLOP/s and
     bandwidth (the probe used `probe_threads`), its share of RAM."""
     share = min(1.0, threads / max(1, probe_threads)) if threads else 1.0 / world
-    return dataclasses.replace(machine, name=f"{machine.name} ({world} proc x {threads or 'all'} threads)",
-                               peak_flops={k: v * share for k, v in machine.peak_flops.items()},
-                               memory_bandwidth=machine.memory_bandwidth * share,
-                               memory_bytes=machine.memory_bytes / world, devices_per_node=world)
+    return machine.split(world, share, name=f"{machine.name} ({world} proc x {threads or 'all'} threads)")
 
 
 def job_for_run(config: dict, hw: Hardware, restart_s: float = 300.0) -> TrainJob:

@@ -24,6 +24,17 @@ CATALOGUE = Path(__file__).with_name("catalogue.toml")
 DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 
+def interpolate_log(table: tuple[tuple[int, float], ...], x: float) -> float:
+    """Linear interpolation in log(x) over (x, value) points, clamped to the measured range."""
+    points = sorted(table)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, v0), (x1, v1) in zip(points, points[1:]):
+        if x <= x1:
+            return v0 + (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (v1 - v0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class Link:
     """A collective fabric as one device sees it: unidirectional bytes/s per device and per-hop latency."""
@@ -67,6 +78,10 @@ class Hardware:
     # (the reduction dimension); None / empty: the achievable bandwidth.
     decode_bandwidth: float | None = None
     decode_bandwidth_by_width: tuple[tuple[int, float], ...] = ()
+    # Achieved fraction of the peak by model width (training GEMMs) and by head size (causal
+    # attention forward + backward), measured by a probe; empty: `flops_efficiency` for both.
+    gemm_efficiency_by_width: tuple[tuple[int, float], ...] = ()
+    attention_efficiency_by_head_dim: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
     date: str = ""  # when the figures (prices above all) were last checked
     efficiency_source: str = ""
@@ -89,35 +104,45 @@ class Hardware:
     def decode_rate(self, width: int | None = None) -> float:
         """Weight-streaming rate of decode; with measurements by width, interpolated (in log width)
         at the model's hidden size, clamped to the measured range."""
-        table = sorted(self.decode_bandwidth_by_width)
-        if width is None or not table:
+        if width is None or not self.decode_bandwidth_by_width:
             return self.decode_bandwidth or self.achievable_bandwidth()
-        if width <= table[0][0]:
-            return table[0][1]
-        for (w0, r0), (w1, r1) in zip(table, table[1:]):
-            if width <= w1:
-                f = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
-                return r0 + f * (r1 - r0)
-        return table[-1][1]
+        return interpolate_log(self.decode_bandwidth_by_width, width)
+
+    def gemm_rate(self, dtype: str, width: int | None = None) -> float:
+        """FLOP/s of a layer's training GEMMs at a model width (measured by a probe; otherwise the
+        entry's large-GEMM efficiency)."""
+        if width is None or not self.gemm_efficiency_by_width:
+            return self.achievable_flops(dtype)
+        return self.peak(dtype) * interpolate_log(self.gemm_efficiency_by_width, width)
+
+    def attention_rate(self, dtype: str, head_dim: int | None = None) -> float:
+        """FLOP/s of causal attention forward + backward at a head size (measured by a probe: a CPU's
+        flash kernel runs far below its GEMMs; otherwise the GEMM rate)."""
+        if head_dim is None or not self.attention_efficiency_by_head_dim:
+            return self.achievable_flops(dtype)
+        return self.peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim)
 
     def link(self, group_size: int) -> Link:
         """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
 
-    def split(self, processes: int) -> "Hardware":
-        """The share of one device that each of `processes` processes gets (a CPU host running
-        several training processes): compute, bandwidth and memory divide; links stay."""
-        if processes <= 1:
+    def split(self, processes: int, share: float | None = None, name: str | None = None) -> "Hardware":
+        """What each of `processes` processes on one device gets (a CPU host running several
+        training processes): memory divides; compute and bandwidth scale by `share` (default an equal
+        split; a process pinned to some of the cores gets their share); links stay."""
+        share = 1.0 / processes if share is None else share
+        if processes <= 1 and share == 1.0 and name is None:
             return self
+
+        def scaled(rate):
+            return None if rate is None else rate * share
+
         return dataclasses.replace(
-            self, name=f"{self.name}/{processes}", peak_flops={k: v / processes for k, v in self.peak_flops.items()},
-            memory_bytes=self.memory_bytes / processes, memory_bandwidth=self.memory_bandwidth / processes,
-            cores=None if self.cores is None else max(1, self.cores // processes), devices_per_node=processes,
-            op_overhead_s=self.op_overhead_s, elementwise_bandwidth=None if self.elementwise_bandwidth is None
-            else self.elementwise_bandwidth / processes,
-            decode_bandwidth=None if self.decode_bandwidth is None else self.decode_bandwidth / processes,
-            decode_bandwidth_by_width=tuple((w, r / processes) for w, r in self.decode_bandwidth_by_width),
-            disk_write_bandwidth=self.disk_write_bandwidth)
+            self, name=name or f"{self.name}/{processes}", peak_flops={k: v * share for k, v in self.peak_flops.items()},
+            memory_bytes=self.memory_bytes / processes, memory_bandwidth=self.memory_bandwidth * share,
+            cores=None if self.cores is None else max(1, round(self.cores * share)), devices_per_node=processes,
+            elementwise_bandwidth=scaled(self.elementwise_bandwidth), decode_bandwidth=scaled(self.decode_bandwidth),
+            decode_bandwidth_by_width=tuple((w, r * share) for w, r in self.decode_bandwidth_by_width))
 
 
 def _link(data: dict, where: str) -> Link:

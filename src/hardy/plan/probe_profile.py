@@ -34,6 +34,11 @@ def _field(profile: dict, dotted: str, where: str, kind=float, positive: bool = 
     return value
 
 
+def _table(profile: dict, section: str, key: str) -> tuple[tuple[int, float], ...]:
+    """A {size: value} table of an optional section (older profiles lack it: empty)."""
+    return tuple(sorted((int(k), float(v)) for k, v in ((profile.get(section) or {}).get(key) or {}).items()))
+
+
 def hardware_from_profile(profile: dict, where: str = "profile", name: str | None = None) -> Hardware:
     if not isinstance(profile, dict):
         raise HardyError(f"{where}: not a hardy probe profile (expected a JSON object)")
@@ -79,8 +84,9 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
         bandwidth_efficiency=1.0, devices_per_node=max(1, per_node),
         elementwise_bandwidth=(profile.get("elementwise") or {}).get("bandwidth"),
         decode_bandwidth=(profile.get("gemv") or {}).get("bandwidth"),
-        decode_bandwidth_by_width=tuple(sorted((int(w), float(r)) for w, r in
-                                               ((profile.get("gemv") or {}).get("bandwidth_by_width") or {}).items())),
+        decode_bandwidth_by_width=_table(profile, "gemv", "bandwidth_by_width"),
+        gemm_efficiency_by_width=_table(profile, "training_gemm", "efficiency_by_width"),
+        attention_efficiency_by_head_dim=_table(profile, "attention", "efficiency_by_head_dim"),
         intra_node=intra, inter_node=inter,
         disk_write_bandwidth=_field(profile, "disk.write_bandwidth", where), price_per_device_hour=None,
         fast_bf16=bool(_field(profile, "matmul.fast_bf16", where, bool)), cores=device_cores,

@@ -21,11 +21,19 @@ from hardy.plan.memory import ACT_BYTES, STATE_BYTES
 
 # Operators per transformer layer forward in the two implementations (backward ≈ 2× as many).
 OPS_PER_LAYER = {"llama": 30, "gpt": 24}
+# Operators per parameter tensor in the optimizer step on CPU (torch's per-tensor AdamW: 10, plus the
+# gradient norm and clipping scale), where each costs a dispatch.
+OPTIMIZER_OPS_PER_TENSOR = 12
 # Memory traffic of the optimizer step per parameter: AdamW reads the gradient and reads + writes
 # the (master) weight, m and v (4 + 3 × 8); gradient clipping reads every gradient and zeroing
 # writes it (4 + 4); mixed precision also writes the 16-bit weight copy (2) and accumulates the
 # 16-bit gradient into an fp32 main gradient (2 + 8).
 ADAM_BYTES_PER_PARAM = {"fp32": 28 + 8, "bf16": 28 + 8 + 2 + 10, "fp16": 28 + 8 + 2 + 10}
+
+
+def param_tensors(arch: Arch, layers: int) -> int:
+    """Parameter tensors of a pipeline stage of `layers` layers (plus embedding, final norm, head)."""
+    return layers * (9 if arch.family == "llama" else 12) + 3
 
 
 def ring_allreduce(nbytes: float, group: int, link: Link) -> float:
@@ -72,26 +80,51 @@ def layer_gemm_flops(arch: Arch, s: StepSetup) -> tuple[float, float]:
     return (2 * tokens * matmul_params + core) / s.tp, core / s.tp
 
 
-def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False) -> float:
-    """Bytes moved by the non-GEMM operators of one layer, forward + backward (backward ≈ 2× forward).
+# Elements moved per token by one Llama layer's non-GEMM operators, forward + backward, counted on
+# hardy's eager implementation with `hardy.ops.kernel_probe.ElementwiseTraffic` (inputs + outputs of
+# every operator that is not a GEMM, attention or a view): norms, RoPE, attention layout copies,
+# SwiGLU, residual adds, and their gradients. tests/test_plan_timing.py recounts it.
+LLAMA_LAYER_ELEMENTS = {"h": 84, "f": 14.5, "q": 23, "kv": 25}
+# Around the layers, per token: embedding lookup, final norm, the fused loss over the vocabulary;
+# per micro-batch: the embedding gradient (zeroed, scattered into, added to the tied head's).
+LLAMA_MODEL_ELEMENTS = {"h": 37, "v": 8, "vh_per_microbatch": 10}
 
-    Forward, per token: each norm reads and writes h; residual adds read 2h and write h; the MLP
-    activation reads its input(s) and writes f; Llama applies RoPE to q and k; GPT's unfused softmax
-    and dropout each read and write a·s scores (Megatron 2022 had no flash attention).
+
+def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False) -> float:
+    """Bytes moved by the non-GEMM operators of one layer, forward + backward, on one TP rank.
+
+    Llama: hardy's measured count (above); its flash attention never materializes scores. GPT
+    (Megatron 2022, backward ≈ 2× forward), per token forward: each norm reads and writes h,
+    residual adds read 2h and write h, GeLU reads f and writes f, dropout on h, and the unfused
+    softmax and dropout each read and write a·s scores.
     """
-    h, f, e = arch.dim, arch.ffn_dim, ACT_BYTES[s.precision]
+    h, e, tokens = arch.dim, ACT_BYTES[s.precision], s.seq * s.micro_batch
     if arch.family == "llama":
-        per_token = 2 * 2 * h + 2 * 3 * h + 3 * f + 2 * (arch.q_dim + arch.kv_dim)
-        scores = 0.0
-    else:
-        per_token = 2 * 2 * h + 2 * 3 * h + 2 * f + (2 * h if arch.dropout else 0)
-        scores = 2 * 2 * arch.n_heads * s.seq  # softmax + dropout over the s scores of every head
-    replicated = 2 * 2 * h + 2 * 3 * h  # norms and residuals: replicated under TP without SP
+        if scores_only:
+            return 0.0
+        c = LLAMA_LAYER_ELEMENTS
+        split = c["f"] * arch.ffn_dim + c["q"] * arch.q_dim + c["kv"] * arch.kv_dim
+        replicated = c["h"] * h  # norms and residuals: replicated under TP unless sequence-parallel
+        return tokens * (split / s.tp + replicated / (s.tp if s.sequence_parallel else 1)) * e
+    scores = 2 * 2 * arch.n_heads * s.seq  # softmax + dropout over the s scores of every head
     if scores_only:
-        return 3 * s.seq * s.micro_batch * scores / s.tp * e
+        return 3 * tokens * scores / s.tp * e
+    per_token = 2 * 2 * h + 2 * 3 * h + 2 * arch.ffn_dim + (2 * h if arch.dropout else 0)
+    replicated = 2 * 2 * h + 2 * 3 * h
     split_part = (per_token - replicated + scores) / s.tp
     rep_part = replicated / (s.tp if s.sequence_parallel else 1)
-    return 3 * s.seq * s.micro_batch * (split_part + rep_part) * e
+    return 3 * tokens * (split_part + rep_part) * e
+
+
+def model_elementwise_bytes(arch: Arch, s: StepSetup) -> float:
+    """Bytes moved outside the layers per micro-batch (last pipeline stage): the loss over the
+    vocabulary, embedding and final norm."""
+    tokens = s.seq * s.micro_batch
+    if arch.family == "llama":
+        c = LLAMA_MODEL_ELEMENTS
+        return ((c["h"] * arch.dim + c["v"] * arch.vocab_size / s.tp) * tokens
+                + c["vh_per_microbatch"] * arch.vocab_size * arch.dim / s.tp) * ACT_BYTES[s.precision]
+    return 3 * 2 * tokens * arch.vocab_size * 4 / s.tp  # fp32 logits: softmax forward and backward
 
 
 def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link) -> float:
@@ -106,16 +139,22 @@ def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link) -> float:
 
 def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     """One layer, forward + backward (+ recompute), one micro-batch, on one device: GEMM,
-    elementwise and tensor-parallel seconds, and its hardware FLOPs."""
-    flops_rate = hw.achievable_flops(compute_dtype(hw, s.precision))
+    elementwise and tensor-parallel seconds, and its hardware FLOPs. Projections run at the GEMM rate
+    for the model's width; Llama's flash-attention core at the attention rate for its head size
+    (GPT's unfused core is GEMMs)."""
+    dtype = compute_dtype(hw, s.precision)
     fwd, core = layer_gemm_flops(arch, s)
-    extra = {"none": 0.0, "full": fwd, "selective": core}[s.recompute] * s.recompute_fraction
+    extra_proj = {"none": 0.0, "full": fwd - core, "selective": 0.0}[s.recompute] * s.recompute_fraction
+    extra_core = {"none": 0.0, "full": core, "selective": core}[s.recompute] * s.recompute_fraction
+    proj, attn = 3 * (fwd - core) + extra_proj, 3 * core + extra_core
+    gemm_rate = hw.gemm_rate(dtype, arch.dim)
+    attn_rate = hw.attention_rate(dtype, arch.head_dim) if arch.family == "llama" else gemm_rate
     elem = layer_elementwise_bytes(arch, s)
     if s.recompute == "full":  # the forward (a third of the traffic) runs twice
         elem *= 1 + s.recompute_fraction / 3
     elif s.recompute == "selective":  # softmax and dropout over the scores run twice
         elem += s.recompute_fraction / 3 * layer_elementwise_bytes(arch, s, scores_only=True)
-    return {"flops": 3 * fwd + extra, "gemm": (3 * fwd + extra) / flops_rate,
+    return {"flops": proj + attn, "gemm": proj / gemm_rate + attn / attn_rate,
             "elementwise": elem / hw.elementwise_rate(), "tp": tp_comm_per_layer(arch, s, hw.link(s.tp))}
 
 
@@ -141,14 +180,14 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     """Predicted time of one optimizer step on the slowest device. `params_local`: parameters this
     device holds before data-parallel sharding (its pipeline stage ÷ TP)."""
     dtype = compute_dtype(hw, s.precision)
-    flops_rate, bw = hw.achievable_flops(dtype), hw.achievable_bandwidth()
+    bw = hw.achievable_bandwidth()
     layers = -(-arch.n_layers // s.pp)  # the busiest stage
     layer = layer_seconds(arch, hw, s)
     tokens = s.seq * s.micro_batch
     head_flops = 3 * 2 * tokens * arch.vocab_size * arch.dim / s.tp  # last stage: logits fwd + bwd
     mb_flops = layers * layer["flops"] + head_flops
-    mb_compute = layers * layer["gemm"] + head_flops / flops_rate
-    mb_elem = layers * layer["elementwise"] + 3 * 2 * tokens * arch.vocab_size * 4 / s.tp / hw.elementwise_rate()
+    mb_compute = layers * layer["gemm"] + head_flops / hw.gemm_rate(dtype, arch.dim)
+    mb_elem = layers * layer["elementwise"] + model_elementwise_bytes(arch, s) / hw.elementwise_rate()
     ops = 3 * OPS_PER_LAYER[arch.family] * layers + 20
     dispatch = ops * hw.op_overhead_s
     if hw.kind == "gpu":  # launches overlap running kernels: only what exceeds the GPU work shows
@@ -186,6 +225,8 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     dp_exposed = max(0.0, dp - hidden)
     shard = s.dp if s.zero >= 1 else 1
     optimizer = ADAM_BYTES_PER_PARAM[s.precision] * params_local / shard / bw
+    if hw.kind == "cpu":  # the per-tensor AdamW kernel and gradient clipping: operators per tensor
+        optimizer += OPTIMIZER_OPS_PER_TENSOR * param_tensors(arch, layers) * hw.op_overhead_s
     return StepTime(compute_s=m * mb_compute, elementwise_s=m * mb_elem, dispatch_s=m * dispatch, tp_comm_s=m * mb_tp,
                     pp_comm_s=m * mb_pp, bubble_s=bubble, dp_comm_s=dp_exposed, optimizer_s=optimizer,
                     hardware_flops=m * mb_flops)
