@@ -79,3 +79,25 @@ def probe_profile(tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.is_file() and not list(root.glob(".hardy-probe-*")), "the probe must clean up its disk test file"
     return out
+
+
+@pytest.fixture(scope="session")
+def mini_run(tmp_path_factory) -> Path:
+    """The `mini` preset (widths divisible by 128) trained from scratch for 300 steps on the first
+    300 kB of Tiny Shakespeare with a 512-token BPE, in-process (~25 s): the model the compression
+    tests quantize and prune. Calibration uses that training text; evaluation the text after it."""
+    from hardy.data.prepare import prepare
+    from hardy.data.text import resolve_text_path
+    from hardy.train.config import load_config
+    from hardy.train.trainer import train
+
+    root = tmp_path_factory.mktemp("mini_run")
+    text = resolve_text_path("tinyshakespeare").read_text()
+    (root / "train.txt").write_text(text[:300_000])
+    (root / "heldout.txt").write_text(text[300_000:340_000])
+    prepare([str(root / "train.txt")], "bpe:512", root / "ds", seed=0)
+    cfg = load_config(None, ["model.preset=mini", f"data.path={root / 'ds'}", "data.seq_len=128",
+                             "train.micro_batch=16", "train.steps=300", "optim.lr=3e-3", "optim.warmup_steps=20",
+                             "log.progress=false", "checkpoint.at_end=true"])
+    train(cfg, root / "run")
+    return root

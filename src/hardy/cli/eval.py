@@ -20,6 +20,7 @@ def register(sub) -> None:
     pp.add_argument("--json", action="store_true", help="print the result as JSON")
     pp.add_argument("--no-progress", action="store_true")
     pp.set_defaults(func=run_perplexity)
+    register_compare(tasks)
 
 
 def run_perplexity(args) -> int:
@@ -41,4 +42,72 @@ def run_perplexity(args) -> int:
     result = perplexity(loaded.model, tokens, ctx=ctx, protocol=args.protocol, bos_id=tok.bos_id,
                         add_bos=tok.add_bos, batch_size=args.batch, progress=not args.no_progress)
     print(json.dumps(result.to_dict()) if args.json else result.line())
+    return 0
+
+
+def register_compare(tasks) -> None:
+    pc = tasks.add_parser("compare", help="compare models against the first: PPL, KL, top-1, size, RSS, speed")
+    pc.add_argument("--model", action="append", required=True,
+                    help="a model (repeat; the first is the reference for KL and top-1)")
+    pc.add_argument("--data", default="wikitext2-test", help="text file or bundled corpus (default wikitext2-test)")
+    pc.add_argument("--ctx", type=int, default=None, help="context per chunk (default 512 llama.cpp, 2048 full)")
+    pc.add_argument("--protocol", default="llama.cpp", choices=["llama.cpp", "full"])
+    pc.add_argument("--max-tokens", type=int, default=None, help="only use the first N tokens of the data")
+    pc.add_argument("--batch", type=int, default=4, help="chunks evaluated together")
+    pc.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    pc.add_argument("--no-speed", action="store_true", help="skip the speed and peak-RSS measurement")
+    pc.add_argument("--prompt-tokens", type=int, default=128)
+    pc.add_argument("--new-tokens", type=int, default=64)
+    pc.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    pc.add_argument("--plot", default=None, help="write the Pareto plot (PPL vs size, PPL vs decode speed) to this PNG")
+    pc.add_argument("--no-progress", action="store_true")
+    pc.set_defaults(func=run_compare)
+
+
+def run_compare(args) -> int:
+    from pathlib import Path
+
+    from hardy.data.text import read_text
+    from hardy.errors import HardyError
+    from hardy.eval.compare import (CompareRow, format_table, measure_speed, plot, quality, rows_to_json,
+                                    size_on_disk)
+    from hardy.formats.load import load_model, set_threads
+
+    if len(args.model) < 2:
+        raise HardyError("give at least two --model (the first is the reference)")
+    text = read_text(args.data)
+    ctx = args.ctx or (512 if args.protocol == "llama.cpp" else 2048)
+    set_threads(args.threads)
+    sizes = [size_on_disk(m) for m in args.model]
+    loaded = [load_model(m) for m in args.model]
+    tok = loaded[0].tokenizer
+    if tok is None:
+        raise HardyError(f"{args.model[0]}: the reference model has no tokenizer")
+    vocab = loaded[0].config.vocab_size
+    for spec, lm in zip(args.model[1:], loaded[1:]):
+        if lm.config.vocab_size != vocab:
+            raise HardyError(f"{spec}: vocabulary of {lm.config.vocab_size} differs from the reference's {vocab}")
+        if ctx > lm.config.max_seq_len:
+            raise HardyError(f"--ctx {ctx} exceeds {spec}'s context of {lm.config.max_seq_len}")
+    tokens = tok.encode(text)
+    if args.max_tokens:
+        tokens = tokens[:args.max_tokens]
+    results = quality([lm.model for lm in loaded], tokens, ctx, args.protocol, tok.bos_id, tok.add_bos,
+                      batch_size=args.batch, progress=not args.no_progress)
+    del loaded
+    rows = []
+    for spec, size, q in zip(args.model, sizes, results):
+        row = CompareRow(model=spec, size_bytes=size, **q)
+        if not args.no_speed:
+            s = measure_speed(spec, args.threads, args.prompt_tokens, args.new_tokens)
+            row.prefill_tps, row.decode_tps, row.peak_rss_bytes = s["prefill_tps"], s["decode_tps"], s["peak_rss_bytes"]
+        rows.append(row)
+    print(format_table(rows))
+    print(f"({args.protocol} protocol, ctx {ctx}, {len(tokens)} tokens of {args.data}; KL and top-1 against "
+          f"{args.model[0]}; speed: batch 1, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_to_json(rows), indent=2))
+    if args.plot:
+        plot(rows, Path(args.plot), f"{args.data}, {args.protocol} protocol, ctx {ctx}")
+        print(f"wrote {args.plot}")
     return 0

@@ -124,6 +124,16 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         name = "smollm2-135m" if spec == "smollm2-135m" else path.stem
         cfg, state, tokenizer, _ = load_gguf(path, name=name)
     else:
+        from hardy.compress.store import is_compressed_dir
+
+        if is_compressed_dir(path):  # hardy compress output: quantized modules swapped in at load
+            from hardy.compress.store import load_compressed, model_from_compressed
+
+            cfg, state, quantized, tokenizer, _ = load_compressed(path)
+            model = model_from_compressed(cfg, state, quantized, str(path)).to(device=device)
+            for p in model.parameters():  # float parameters only: codes and fp16 scales stay as stored
+                p.data = p.data.to(dtype)
+            return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
         from hardy.formats.hf import load_hf_dir
 
         cfg, state, tokenizer = load_hf_dir(path)

@@ -79,6 +79,13 @@ PRESETS: dict[str, ModelConfig] = {
     # Unit tests: small enough that a training step takes milliseconds.
     "micro": ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176,
                          max_seq_len=256, tie_embeddings=True, name="micro"),
+    # Compression tests: widths divisible by 128 (quantization groups), trains in under a minute.
+    "mini": ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                        max_seq_len=256, tie_embeddings=True, name="mini"),
+    # The from-scratch reference model of the compression benchmarks (configs/small-wikitext.toml):
+    # ~7M parameters, 8k BPE vocabulary, every width a multiple of 128.
+    "small": ModelConfig(vocab_size=8192, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=768,
+                         max_seq_len=512, tie_embeddings=True, name="small"),
     # A few million parameters: trains in minutes on 2 CPU cores (8k BPE vocabulary).
     "tiny": ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688,
                         max_seq_len=512, tie_embeddings=True, name="tiny"),

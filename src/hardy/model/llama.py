@@ -176,7 +176,7 @@ class Transformer(nn.Module):
     def reset_rope(self, seq_len: int | None = None) -> None:
         """(Re)build the rotary tables on the parameters' device; cheap, grows on demand."""
         seq_len = seq_len or min(self.cfg.max_seq_len, 4096)
-        device = self.tok_embeddings.weight.device
+        device = self.norm.weight.device
         if device.type == "meta":
             device = None
         cos, sin = rope_tables(self.cfg, seq_len, device)
@@ -184,10 +184,11 @@ class Transformer(nn.Module):
         self._rope_len = seq_len
 
     def setup_kv_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
-        dtype = dtype or self.tok_embeddings.weight.dtype
-        device = self.tok_embeddings.weight.device
+        dtype = dtype or self.norm.weight.dtype
+        device = self.norm.weight.device
         for layer in self.layers:
-            n_kv_local = layer.attention.wk.weight.shape[0] // layer.attention.head_dim
+            wk = layer.attention.wk  # a quantized layer (hardy.compress) keeps no float weight
+            n_kv_local = (wk.weight.shape[0] if hasattr(wk, "weight") else wk.out_features) // layer.attention.head_dim
             layer.attention.kv_cache = KVCache(batch, n_kv_local, max_seq, layer.attention.head_dim, dtype, device)
         if self._rope_len < max_seq:
             self.reset_rope(max_seq)
@@ -203,8 +204,8 @@ class Transformer(nn.Module):
             if end > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {end} positions exceeds max_seq_len {self.cfg.max_seq_len}")
             self.reset_rope(max(end, min(2 * self._rope_len, self.cfg.max_seq_len)))
-        cos = self.rope_cos[start_pos:end].to(self.tok_embeddings.weight.dtype)
-        sin = self.rope_sin[start_pos:end].to(self.tok_embeddings.weight.dtype)
+        cos = self.rope_cos[start_pos:end].to(self.norm.weight.dtype)
+        sin = self.rope_sin[start_pos:end].to(self.norm.weight.dtype)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos)

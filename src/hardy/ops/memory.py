@@ -28,6 +28,11 @@ def _hwm_bytes() -> int | None:
     return None
 
 
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size (VmHWM; the current RSS where /proc lacks it)."""
+    return _hwm_bytes() or psutil.Process().memory_info().rss
+
+
 def reset_peak_rss() -> bool:
     """Reset the RSS high-water mark to the current RSS; False where the kernel does not allow it."""
     try:

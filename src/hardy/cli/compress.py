@@ -1,0 +1,95 @@
+"""hardy compress: quantize (RTN / GPTQ / AWQ) and/or prune (magnitude / Wanda / SparseGPT) a model."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from hardy.cli.common import add_model_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compress", help="quantize and/or prune a model (writes a directory every hardy command loads)")
+    add_model_args(p)
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--quant", choices=["rtn", "gptq", "awq"], default=None)
+    p.add_argument("--bits", type=int, default=4, choices=[8, 4, 3])
+    p.add_argument("--group-size", type=int, default=None,
+                   help="input columns per scale (0 = per output channel); default 0 for 8 bits, 128 below")
+    p.add_argument("--prune", choices=["magnitude", "wanda", "sparsegpt"], default=None)
+    p.add_argument("--sparsity", default="0.5", help="fraction of weights removed (0.5) or N:M (2:4)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="also quantize the embedding table (and the tied LM head) with RTN")
+    p.add_argument("--no-act-order", action="store_true", help="GPTQ: quantize columns in their natural order")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ/SparseGPT dampening (fraction of mean diag H)")
+    p.add_argument("--calib-data", default=None, help="calibration text file or bundled corpus (not the test set)")
+    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--calib-seq", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
+    """`samples` windows of `seq` tokens at seeded random offsets of the tokenized text."""
+    import torch
+
+    from hardy.errors import HardyError
+
+    ids = torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long)
+    if ids.numel() < seq + 1:
+        raise HardyError(f"calibration text has {ids.numel()} tokens; need more than --calib-seq {seq}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq, (samples,), generator=gen)
+    return torch.stack([ids[s:s + seq] for s in starts.tolist()])
+
+
+def run(args) -> int:
+    from hardy.cli.common import load_from_args
+    from hardy.compress.pipeline import CompressConfig, compress_model
+    from hardy.compress.store import save_compressed
+    from hardy.data.text import read_text
+    from hardy.errors import HardyError
+
+    group = args.group_size if args.group_size is not None else (0 if args.bits == 8 else 128)
+    cfg = CompressConfig(quant=args.quant, bits=args.bits, group_size=group, prune=args.prune, sparsity=args.sparsity,
+                         quantize_embeddings=args.quantize_embeddings, act_order=not args.no_act_order,
+                         damp=args.damp, calib_samples=args.calib_samples, calib_seq=args.calib_seq, seed=args.seed)
+    text = read_text(args.calib_data) if args.calib_data else None  # bad input fails before the model loads
+    if cfg.needs_calibration and text is None:
+        raise HardyError(f"--{'quant' if cfg.quant in ('gptq', 'awq') else 'prune'} "
+                         f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs --calib-data")
+    if args.dtype != "fp32":
+        raise HardyError("hardy compress works on fp32 weights (--dtype fp32)")
+    loaded = load_from_args(args)
+    if any(True for _ in loaded.model.buffers() if _.dtype in (__import__("torch").uint8,)):
+        raise HardyError(f"{args.model} is already compressed; compress its float original")
+    mcfg = loaded.config
+    if cfg.quant:
+        for width in (mcfg.dim, mcfg.ffn_dim, mcfg.n_heads * mcfg.d_head):
+            cfg.spec().groups(width)  # a group size that does not divide a layer fails here, readably
+    calib = None
+    if text is not None:
+        seq = min(cfg.calib_seq, mcfg.max_seq_len)
+        calib = calibration_batch(loaded.tokenizer, text, cfg.calib_samples, seq, cfg.seed)
+    t0 = time.perf_counter()
+    result = compress_model(loaded.model, cfg, calib, progress=not args.no_progress)
+    seconds = time.perf_counter() - t0
+    errors = [r.output_error for r in result.reports]
+    rtn_errors = [r.rtn_output_error for r in result.reports if r.rtn_output_error is not None]
+    report = {"layers": len(result.reports), "mean_output_error": statistics.fmean(errors),
+              "mean_rtn_output_error": statistics.fmean(rtn_errors) if rtn_errors else None,
+              "seconds": seconds, "per_layer": [vars(r) for r in result.reports]}
+    meta = {"source": args.model, "compress": cfg.to_dict(),
+            "calibration": {"data": args.calib_data, "samples": int(calib.shape[0]) if calib is not None else 0,
+                            "seq": int(calib.shape[1]) if calib is not None else 0},
+            "report": report}
+    save_compressed(mcfg, result.state, result.quantized, loaded.tokenizer, args.out, meta)
+    what = " + ".join(x for x in (f"{cfg.prune} {cfg.sparsity}" if cfg.prune else "",
+                                  f"{cfg.quant} int{cfg.bits} g{group}" if cfg.quant else "") if x)
+    line = f"compressed {args.model} ({what}) in {seconds:.1f} s: mean layer-output error {report['mean_output_error']:.4f}"
+    if report["mean_rtn_output_error"] is not None and cfg.quant != "rtn":
+        line += f" (RTN {report['mean_rtn_output_error']:.4f})"
+    print(line)
+    print(f"wrote {args.out} ({json.dumps(cfg.spec().to_dict()) if cfg.quant else 'float weights, pruned'})")
+    return 0

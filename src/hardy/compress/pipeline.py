@@ -1,0 +1,250 @@
+"""`hardy compress`: prune and/or quantize a model's linear layers, layer by layer on calibration
+text, the way GPTQ/SparseGPT/AWQ are run: each layer is calibrated on the outputs of the layers
+before it *after* those were compressed, so errors do not compound unseen.
+
+Per transformer layer: one pass of the calibration activations through the (still float) layer
+collects, for each distinct linear input, the Hessian XᵀX (GPTQ, SparseGPT; its diagonal is Wanda's
+‖X_j‖²) and a token sample (AWQ's searches, the error report); then pruning, AWQ scaling, and
+quantization; then the compressed layer produces the next layer's inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from hardy.compress import awq, gptq, prune
+from hardy.compress.quant import QuantSpec, QuantTensor, rtn
+from hardy.errors import HardyError
+
+QUANT_METHODS = ("rtn", "gptq", "awq")
+PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
+# Linear layers of a block and the input each reads (q/k/v share one, gate/up share one).
+LINEARS = {"attention.wq": "attn_in", "attention.wk": "attn_in", "attention.wv": "attn_in",
+           "attention.wo": "attn_out", "feed_forward.w1": "ffn_in", "feed_forward.w3": "ffn_in",
+           "feed_forward.w2": "ffn_mid"}
+SAMPLE_TOKENS = 2048  # tokens kept per input for AWQ's searches and the error report
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    quant: str | None = None
+    bits: int = 4
+    group_size: int = 128
+    prune: str | None = None
+    sparsity: str = "0.5"
+    quantize_embeddings: bool = False
+    act_order: bool = True
+    damp: float = 0.01
+    block_size: int = 128
+    calib_samples: int = 128
+    calib_seq: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.quant is None and self.prune is None:
+            raise HardyError("nothing to do: give --quant and/or --prune")
+        if self.quant is not None and self.quant not in QUANT_METHODS:
+            raise HardyError(f"--quant must be one of {', '.join(QUANT_METHODS)} (got {self.quant!r})")
+        if self.prune is not None and self.prune not in PRUNE_METHODS:
+            raise HardyError(f"--prune must be one of {', '.join(PRUNE_METHODS)} (got {self.prune!r})")
+        if self.quant is not None:
+            self.spec()
+        if self.prune is not None:
+            prune.Sparsity.parse(self.sparsity)
+        if self.calib_samples < 1 or self.calib_seq < 2:
+            raise HardyError("--calib-samples must be >= 1 and --calib-seq >= 2")
+
+    def spec(self) -> QuantSpec:
+        return QuantSpec(bits=self.bits, group_size=self.group_size)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.quant in ("gptq", "awq") or self.prune in ("wanda", "sparsegpt")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LayerReport:
+    name: str
+    output_error: float  # ‖X(Ŵ − W)ᵀ‖ / ‖XWᵀ‖ on calibration tokens
+    rtn_output_error: float | None = None  # the same for plain RTN at the same bits (quantized runs)
+    sparsity: float = 0.0
+
+
+@dataclass
+class CompressResult:
+    quantized: dict[str, QuantTensor]  # hardy parameter name -> quantized weight
+    state: dict[str, torch.Tensor]  # the float state dict after pruning / AWQ scaling (dequantized where quantized)
+    reports: list[LayerReport] = field(default_factory=list)
+
+
+class _InputStats:
+    def __init__(self, width: int, tokens: int, generator: torch.Generator):
+        self.hessian = torch.zeros(width, width, dtype=torch.float64)
+        self.count = 0
+        self.samples: list[torch.Tensor] = []
+        self.budget = SAMPLE_TOKENS
+        self.generator = generator
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.hessian += (x.t() @ x).double()
+        self.count += x.shape[0]
+        if self.budget > 0:
+            keep = x[torch.randperm(x.shape[0], generator=self.generator)[:self.budget]]
+            self.samples.append(keep)
+            self.budget -= keep.shape[0]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (2 * self.hessian / max(1, self.count)).float(), torch.cat(self.samples)
+
+
+def _block_inputs(block, x, cos, sin, chunk: int) -> dict[str, _InputStats]:
+    """Run the block on x [n, s, dim] in chunks, recording each distinct linear input."""
+    gen = torch.Generator().manual_seed(0)
+    stats: dict[str, _InputStats] = {}
+    hooks = []
+    for name, kind in LINEARS.items():
+        if name not in ("attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2"):
+            continue  # shares its input with one of these
+        module = block.get_submodule(name)
+
+        def hook(mod, args, kind=kind):
+            inp = args[0]
+            if kind not in stats:
+                stats[kind] = _InputStats(inp.shape[-1], 0, gen)
+            stats[kind].add(inp)
+
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for i in range(0, x.shape[0], chunk):
+                block(x[i:i + chunk], cos, sin)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def _rel_error(x: torch.Tensor, w: torch.Tensor, x_hat: torch.Tensor, w_hat: torch.Tensor,
+               out_scale: torch.Tensor | None = None) -> float:
+    """‖x̂·ŵᵀ − x·wᵀ‖ / ‖x·wᵀ‖: the compressed linear (on its possibly rescaled input) vs the original
+    (whose outputs are scaled by `out_scale` where AWQ moved a scale into this linear's rows)."""
+    ref = x @ w.t()
+    if out_scale is not None:
+        ref = ref * out_scale
+    return float((x_hat @ w_hat.t() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _apply_awq_scales(block, inputs: dict[str, tuple[torch.Tensor, torch.Tensor]], spec: QuantSpec,
+                      n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """Search and fold the scales; returns the output-channel factor each producer linear now has
+    (its rows were divided by the next linear's scale), for comparing against the original."""
+    att, ffn = block.attention, block.feed_forward
+    groups = [("attn_in", block.attention_norm.weight, None, [att.wq, att.wk, att.wv]),
+              ("ffn_in", block.ffn_norm.weight, None, [ffn.w1, ffn.w3]),
+              ("ffn_mid", None, "feed_forward.w3", [ffn.w2])]
+    if n_heads == n_kv_heads:
+        groups.append(("attn_out", None, "attention.wv", [att.wo]))
+    out_scale = {}
+    with torch.no_grad():
+        for kind, norm_weight, producer_rows, linears in groups:
+            x = inputs[kind][1]
+            s = awq.search_scale(x, [lin.weight for lin in linears], spec)
+            if norm_weight is not None:
+                norm_weight.div_(s)
+            else:
+                block.get_submodule(producer_rows).weight.div_(s[:, None])
+                out_scale[producer_rows] = 1 / s
+            for lin in linears:
+                lin.weight.mul_(s[None, :])
+            inputs[kind] = (inputs[kind][0] / s[:, None] / s[None, :], x / s)
+    return out_scale
+
+
+def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progress: bool = True) -> CompressResult:
+    """Compress `model` (fp32, modified in place: it ends up holding the dequantized weights)."""
+    from tqdm import tqdm
+
+    if cfg.needs_calibration and calib is None:
+        raise HardyError(f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs calibration text "
+                         "(--calib-data)")
+    spec = cfg.spec() if cfg.quant else None
+    sparsity = prune.Sparsity.parse(cfg.sparsity) if cfg.prune else None
+    mcfg = model.cfg
+    quantized: dict[str, QuantTensor] = {}
+    reports: list[LayerReport] = []
+    with torch.no_grad():
+        if calib is None:  # data-free methods: a few random tokens only feed the error report
+            calib = torch.randint(0, mcfg.vocab_size, (4, min(64, mcfg.max_seq_len)),
+                                  generator=torch.Generator().manual_seed(cfg.seed))
+        seq = calib.shape[1]
+        model.reset_rope(max(seq, model._rope_len))
+        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+        x = model.tok_embeddings(calib).float()
+        chunk = max(1, 8192 // seq)
+        bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
+        for li, block in enumerate(model.layers):
+            stats = _block_inputs(block, x, cos, sin, chunk)
+            inputs = {k: v.finish() for k, v in stats.items()}
+            originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
+            masks = {}
+            if sparsity is not None:
+                for name, kind in LINEARS.items():
+                    lin = block.get_submodule(name)
+                    h = inputs[kind][0]
+                    if cfg.prune == "magnitude":
+                        w, mask = prune.magnitude(lin.weight, sparsity)
+                    elif cfg.prune == "wanda":
+                        w, mask = prune.wanda(lin.weight, torch.diag(h), sparsity)
+                    else:
+                        w, mask = prune.sparsegpt(lin.weight, h, sparsity, cfg.block_size, cfg.damp)
+                    lin.weight.copy_(w)
+                    masks[name] = mask
+            samples = {kind: xs for kind, (_, xs) in inputs.items()}  # before any AWQ rescaling
+            unscaled = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
+            out_scales = {}
+            if cfg.quant == "awq":  # rescales weights and inputs by s: (X/s)·(W·s)ᵀ = X·Wᵀ
+                out_scales = _apply_awq_scales(block, inputs, spec, mcfg.n_heads, mcfg.n_kv_heads)
+            for name, kind in LINEARS.items():
+                lin = block.get_submodule(name)
+                h, xs = inputs[kind]
+                w = lin.weight.detach().float()
+                full = f"layers.{li}.{name}.weight"
+                rtn_error = None
+                if cfg.quant is not None:
+                    if cfg.quant == "gptq":
+                        q = gptq.gptq(w, h, spec, cfg.block_size, cfg.damp, cfg.act_order, masks.get(name))
+                    elif cfg.quant == "awq":
+                        q = awq.awq_quantize(xs, w, spec)
+                    else:
+                        q = rtn(w, spec)
+                    quantized[full] = q
+                    w_hat = q.dequantize()
+                    rtn_error = _rel_error(samples[kind], originals[name], samples[kind],
+                                           rtn(unscaled[name], spec).dequantize())
+                else:
+                    w_hat = w
+                error = _rel_error(samples[kind], originals[name], xs, w_hat, out_scales.get(name))
+                reports.append(LayerReport(name=full, output_error=error, rtn_output_error=rtn_error,
+                                           sparsity=float((w_hat == 0).float().mean()) if masks else 0.0))
+                lin.weight.copy_(w_hat)
+            for i in range(0, x.shape[0], chunk):
+                x[i:i + chunk] = block(x[i:i + chunk], cos, sin)
+            bar.update()
+        bar.close()
+        if cfg.quantize_embeddings and cfg.quant is not None:
+            emb = model.tok_embeddings.weight
+            q = rtn(emb.detach().float(), spec)  # no calibration input for a lookup table: RTN
+            quantized["tok_embeddings.weight"] = q
+            emb.copy_(q.dequantize())
+            if not mcfg.tie_embeddings:
+                out = model.output.weight
+                qo = rtn(out.detach().float(), spec)
+                quantized["output.weight"] = qo
+                out.copy_(qo.dequantize())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return CompressResult(quantized=quantized, state=state, reports=reports)

@@ -1,0 +1,86 @@
+"""Quantized layers for inference: the load-time half of "quantization = an offline state-dict
+transform + a module swap". A `QuantLinear` holds the stored tensors (packed codes, fp16 scales and
+mins) and never a float copy of its weight; `QuantEmbedding` dequantizes only the rows it looks up.
+
+forward(): many tokens (prefill, evaluation) dequantize the weight once per call and run the fp32
+GEMM — the dequantization is amortized over the tokens; a few tokens (decode) go through
+`hardy.compress.kernels`, the fused path chosen by measurement (docs/quantization.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hardy.compress.quant import QuantTensor
+
+FUSED_MAX_TOKENS = 4  # at most this many rows use the fused decode kernel
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, qt: QuantTensor):
+        super().__init__()
+        self.spec = qt.spec
+        self.out_features, self.in_features = qt.shape
+        for name, tensor in qt.packed().items():
+            self.register_buffer(name, tensor)
+        if "mins" not in self._buffers:
+            self.mins = None
+        self.kernel = None  # set by hardy.compress.kernels.prepare()
+
+    def quant_tensor(self) -> QuantTensor:
+        tensors = {"qweight": self.qweight, "scales": self.scales}
+        if self.mins is not None:
+            tensors["mins"] = self.mins
+        return QuantTensor.from_packed(tensors, self.spec, (self.out_features, self.in_features))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.quant_tensor().dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.numel() <= FUSED_MAX_TOKENS * self.in_features:
+            return self.kernel(x)
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.spec.to_dict()}"
+
+
+class QuantEmbedding(nn.Module):
+    """A quantized lookup table (and, tied, the LM head: `linear` computes x·Wᵀ from the same bytes)."""
+
+    def __init__(self, qt: QuantTensor):
+        super().__init__()
+        self.table = QuantLinear(qt)
+
+    @property
+    def weight(self) -> torch.Tensor:  # the float table, for code that reads embedding weights
+        return self.table.dequantized_weight()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        rows = tokens.reshape(-1)
+        q = QuantTensor.from_packed({"qweight": t.qweight[rows], "scales": t.scales[rows],
+                                     **({"mins": t.mins[rows]} if t.mins is not None else {})},
+                                    t.spec, (rows.numel(), t.in_features))
+        return q.dequantize().reshape(*tokens.shape, t.in_features)
+
+
+def swap_quantized(model: nn.Module, quantized: dict[str, QuantTensor]) -> nn.Module:
+    """Replace the modules whose weights are in `quantized` (hardy parameter names) by quantized ones."""
+    for name, qt in quantized.items():
+        module_name = name.removesuffix(".weight")
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if module_name == "tok_embeddings":
+            emb = QuantEmbedding(qt)
+            setattr(parent, child, emb)
+            if getattr(model.cfg, "tie_embeddings", False):
+                model.output = emb.table  # the tied head reads the same stored bytes
+        else:
+            setattr(parent, child, QuantLinear(qt))
+    return model
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}

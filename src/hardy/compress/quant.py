@@ -1,0 +1,163 @@
+"""Weight quantization formats: group-wise integer codes with fp16 scales (docs/quantization.md).
+
+Two grids, both chosen so that llama.cpp's blocks are the same numbers:
+  symmetric (int8):  w = code · scale,          code ∈ [−127, 127]   (GGUF Q8_0 at group 32)
+  asymmetric (4/3):  w = code · scale + min,    code ∈ [0, 2^b − 1]  (GGUF Q4_1 at 4 bits, group 32)
+`scale` and `min` are stored as fp16 and the arithmetic is fp32, exactly as llama.cpp dequantizes,
+so hardy's int8/int4 tensors repack into GGUF blocks losslessly. A group is `group_size`
+consecutive input columns of one output row (group 0 = the whole row: per-channel).
+4-bit codes are packed two per byte in blocks of 32 columns: byte j of a block holds code j in its
+low nibble and code j + 16 in its high nibble (GGUF's Q4 order). 3-bit codes are kept one per byte
+(the size they would have packed is reported; their accuracy is what is evaluated).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hardy.errors import HardyError
+
+PACK_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int = 0  # 0: one group per output row
+    symmetric: bool | None = None  # default: symmetric for 8 bits, asymmetric below
+
+    def __post_init__(self):
+        if self.bits not in (8, 4, 3, 2):
+            raise HardyError(f"--bits must be 8, 4 or 3 (got {self.bits})")
+        if self.group_size < 0 or (self.group_size and self.group_size % PACK_BLOCK and self.bits == 4):
+            raise HardyError(f"--group-size must be 0 (per channel) or a multiple of {PACK_BLOCK} (got {self.group_size})")
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", self.bits == 8)
+
+    @property
+    def maxq(self) -> int:
+        return 127 if self.symmetric else (1 << self.bits) - 1
+
+    def groups(self, in_features: int) -> int:
+        g = self.group_size or in_features
+        if in_features % g:
+            raise HardyError(f"group size {g} does not divide the layer's {in_features} input columns")
+        return in_features // g
+
+    def to_dict(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        return cls(bits=int(d["bits"]), group_size=int(d["group_size"]), symmetric=bool(d["symmetric"]))
+
+
+def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, min) per group for w [rows, columns] (all columns one group), fp16-rounded, as fp32."""
+    w = w.float()
+    if spec.symmetric:
+        scale = w.abs().amax(dim=-1, keepdim=True) / spec.maxq
+        scale = scale.half().float()
+        return torch.where(scale == 0, torch.ones_like(scale), scale), None
+    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / spec.maxq).half().float()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale, lo.half().float()
+
+
+def quantize_with(w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """Codes of w under given group parameters (broadcast over the group's columns)."""
+    if spec.symmetric:
+        return torch.clamp(torch.round(w.float() / scale), -spec.maxq, spec.maxq)
+    return torch.clamp(torch.round((w.float() - mn) / scale), 0, spec.maxq)
+
+
+def dequantize_with(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
+    out = codes.float() * scale
+    return out if mn is None else out + mn
+
+
+@dataclass
+class QuantTensor:
+    """A quantized weight [out, in]: unpacked codes (int8 for symmetric, uint8 otherwise) and fp16
+    scale/min of shape [out, groups]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    mins: torch.Tensor | None
+    spec: QuantSpec
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        out, cols = self.codes.shape
+        groups = self.scale.shape[1]
+        codes = self.codes.reshape(out, groups, cols // groups)
+        scale = self.scale.float().unsqueeze(-1)
+        mins = None if self.mins is None else self.mins.float().unsqueeze(-1)
+        return dequantize_with(codes, scale, mins).reshape(out, cols)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        """The stored tensors: qweight (int8 codes, packed 4-bit bytes, or 3-bit codes), scales, mins."""
+        if self.spec.bits == 4:
+            qweight = pack_int4(self.codes)
+        else:
+            qweight = self.codes.to(torch.int8 if self.spec.symmetric else torch.uint8)
+        out = {"qweight": qweight.contiguous(), "scales": self.scale.half().contiguous()}
+        if self.mins is not None:
+            out["mins"] = self.mins.half().contiguous()
+        return out
+
+    @classmethod
+    def from_packed(cls, tensors: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int],
+                    where: str = "") -> "QuantTensor":
+        try:
+            qweight, scales = tensors["qweight"], tensors["scales"]
+            mins = tensors.get("mins")
+            codes = unpack_int4(qweight) if spec.bits == 4 else qweight
+            if spec.symmetric:
+                codes = codes.to(torch.int8)
+            else:
+                codes = codes.to(torch.uint8)
+            groups = spec.groups(shape[1])
+            if tuple(codes.shape) != tuple(shape) or tuple(scales.shape) != (shape[0], groups) or (
+                    (mins is None) != spec.symmetric) or (mins is not None and mins.shape != scales.shape):
+                raise KeyError("shape")
+        except (KeyError, RuntimeError):
+            raise HardyError(f"{where}: quantized tensors do not match {spec.to_dict()} for shape {shape}") from None
+        return cls(codes=codes, scale=scales.half(), mins=None if mins is None else mins.half(), spec=spec)
+
+    def stored_bits(self) -> float:
+        """Bits per weight including scales and mins (3-bit codes counted as if packed)."""
+        n = self.codes.numel()
+        extra = 16 * self.scale.numel() * (1 if self.mins is None else 2)
+        return (self.spec.bits * n + extra) / n
+
+
+def rtn(w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
+    """Round-to-nearest on the group grid."""
+    out, cols = w.shape
+    groups = spec.groups(cols)
+    wg = w.float().reshape(out, groups, cols // groups)
+    scale, mn = group_params(wg, spec)
+    codes = quantize_with(wg, scale, mn, spec).reshape(out, cols)
+    return QuantTensor(codes=codes.to(torch.int8 if spec.symmetric else torch.uint8), scale=scale.squeeze(-1).half(),
+                       mins=None if mn is None else mn.squeeze(-1).half(), spec=spec)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes 0..15 -> [out, in/2] bytes in GGUF Q4 block order."""
+    out, cols = codes.shape
+    if cols % PACK_BLOCK:
+        raise HardyError(f"4-bit packing needs a multiple of {PACK_BLOCK} columns (got {cols})")
+    blocks = codes.to(torch.uint8).reshape(out, cols // PACK_BLOCK, 2, PACK_BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, cols // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    out, half = packed.shape
+    blocks = packed.reshape(out, half * 2 // PACK_BLOCK, PACK_BLOCK // 2)
+    return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(out, half * 2)

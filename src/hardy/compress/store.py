@@ -1,0 +1,134 @@
+"""The compressed-model directory (docs/quantization.md): a Hugging Face-layout directory whose
+quantized linears are stored as integer codes + fp16 scales, with a JSON description — no pickle.
+
+  config.json            the model (Hugging Face Llama keys) + "quantization_config"
+  model.safetensors      float tensors under HF names; a quantized weight `X.weight` is stored as
+                         `X.qweight` (int8 codes, packed 4-bit bytes, or 3-bit codes one per byte),
+                         `X.scales` (fp16, [out, groups]) and, asymmetric, `X.mins` (fp16)
+  quantization.json      {"format": "hardy.quant/1", "tensors": {hardy name: {bits, group_size,
+                         symmetric}}, "packing": ..., "compress": the settings, "report": ...}
+  tokenizer files
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.errors import HardyError
+from hardy.formats.names import from_format, to_format
+from hardy.fsio import fsync_path
+
+FORMAT = "hardy.quant/1"
+MANIFEST = "quantization.json"
+PACKING = ("4-bit: two codes per byte in blocks of 32 input columns, byte j = code j (low nibble) | "
+           "code j+16 (high nibble); 8-bit: int8 codes (symmetric: w = code * scale); 3-bit: one uint8 code "
+           "per byte; asymmetric: w = code * scale + min; scale/min fp16 per (row, group), computed in fp32")
+
+
+def is_compressed_dir(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, QuantTensor], tokenizer,
+                    out: str | os.PathLike, meta: dict) -> Path:
+    """Write atomically (temporary sibling directory, fsync, rename)."""
+    from hardy.formats.hf import hf_config
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HardyError(f"output {out} already exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tensors = {}
+        for name, t in state.items():
+            if name in quantized or (cfg.tie_embeddings and name == "output.weight"):
+                continue
+            tensors[to_format(name, "hf")] = t.detach().float().contiguous()
+        for name, qt in quantized.items():
+            base = to_format(name, "hf").removesuffix(".weight")
+            for key, t in qt.packed().items():
+                tensors[f"{base}.{key}"] = t
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "hardy": FORMAT})
+        manifest = {"format": FORMAT, "packing": PACKING,
+                    "tensors": {name: {**qt.spec.to_dict(), "shape": list(qt.shape)} for name, qt in quantized.items()},
+                    **meta}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        bos = tokenizer.bos_id if tokenizer else None
+        eos = tokenizer.eos_id if tokenizer else None
+        config = hf_config(cfg, bos, eos)
+        config["quantization_config"] = {"quant_method": "hardy", "format": FORMAT}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_hf(tmp)
+        for f in tmp.iterdir():
+            fsync_path(f)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_compressed(path: str | os.PathLike):
+    """(config, float state in hardy names, {hardy name: QuantTensor}, tokenizer, manifest)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from hardy.formats.hf import config_from_hf
+    from hardy.formats.tokenizer import HardyTokenizer
+
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()), path)
+        raw = load_file(str(path / "model.safetensors"))
+    except (OSError, json.JSONDecodeError, SafetensorError, ValueError) as e:
+        raise HardyError(f"{path}: unreadable compressed model ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise HardyError(f"{path}/{MANIFEST}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
+    quantized = {}
+    for name, info in manifest.get("tensors", {}).items():
+        try:
+            spec, shape = QuantSpec.from_dict(info), tuple(info["shape"])
+            base = to_format(name, "hf").removesuffix(".weight")
+        except (KeyError, TypeError, ValueError):
+            raise HardyError(f"{path}/{MANIFEST}: bad entry for {name}") from None
+        parts = {k: raw.pop(f"{base}.{k}") for k in ("qweight", "scales", "mins") if f"{base}.{k}" in raw}
+        quantized[name] = QuantTensor.from_packed(parts, spec, shape, where=f"{path}: {name}")
+    state = {}
+    for key, tensor in raw.items():
+        ours = from_format(key, "hf")
+        if ours is None:
+            raise HardyError(f"{path}: unexpected tensor {key} in model.safetensors")
+        state[ours] = tensor.float()
+    tokenizer = HardyTokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
+    return cfg, state, quantized, tokenizer, manifest
+
+
+def model_from_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, QuantTensor], source: str):
+    """Build on the meta device, swap in the quantized modules, load the float tensors in place."""
+    from hardy.compress.qlinear import swap_quantized
+    from hardy.model.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    swap_quantized(model, quantized)
+    model.load_state_dict(state, strict=False, assign=True)
+    if "tok_embeddings.weight" not in quantized:
+        model.tie_weights()
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.device.type == "meta" and not n.startswith("rope_")]
+    if left:
+        raise HardyError(f"{source}: weights missing for {left[:3]}")
+    model.reset_rope()
+    return model.eval()

@@ -1,0 +1,194 @@
+"""Write GGUF files llama.cpp loads: `hardy export --format gguf --type F32|F16|Q8_0|Q4_0|Q4_1`.
+
+Tensor names and metadata follow llama.cpp's `llama` architecture; attn_q/attn_k rows are permuted
+to llama.cpp's interleaved rotary order; the tokenizer goes in as `gpt2`-style BPE (tokens in GPT-2's
+byte alphabet, merges, token types, BOS/EOS, `tokenizer.ggml.pre`). Norms stay F32 (llama.cpp needs
+1-D tensors in F32) and a matrix whose rows are not a multiple of the 32-value block is written F16.
+
+hardy's own quantized tensors are written without re-quantizing where the formats match: int4
+asymmetric group 32 *is* Q4_1 and int8 symmetric group 32 *is* Q8_0 (same fp16 scale/min and codes,
+same packing) — the bytes are repacked, not recomputed. Anything else is dequantized and quantized
+with the `gguf` package's reference kernels.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.errors import HardyError
+from hardy.formats.names import permute_qk, to_format
+
+TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+BLOCK = 32
+
+
+def _file_type(name: str):
+    import gguf
+
+    return {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+            "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+            "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[name]
+
+
+def repack_blocks(qt: QuantTensor, qtype: str) -> np.ndarray | None:
+    """GGUF block bytes [rows, row bytes] for a hardy tensor whose format is `qtype`, else None."""
+    p = qt.packed()
+    rows = qt.shape[0]
+    if qtype == "Q4_1" and qt.spec == QuantSpec(4, BLOCK, False):
+        parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["mins"].reshape(-1, 1).numpy().view(np.uint8),
+                 p["qweight"].reshape(-1, BLOCK // 2).numpy()]
+    elif qtype == "Q8_0" and qt.spec == QuantSpec(8, BLOCK, True):
+        parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["qweight"].reshape(-1, BLOCK).numpy().view(np.uint8)]
+    else:
+        return None
+    return np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(rows, -1))
+
+
+def _permute_quant(qt: QuantTensor, heads: int) -> QuantTensor:
+    """Row permutation of a quantized q/k matrix: codes, scales and mins move with their rows."""
+    return QuantTensor(codes=permute_qk(qt.codes, heads), scale=permute_qk(qt.scale, heads),
+                       mins=None if qt.mins is None else permute_qk(qt.mins, heads), spec=qt.spec)
+
+
+def _tensors(model, cfg) -> tuple[dict[str, torch.Tensor], dict[str, QuantTensor]]:
+    """(float tensors, quantized tensors) by hardy name, with the tied head left out."""
+    from hardy.compress.qlinear import QuantEmbedding, QuantLinear
+
+    quantized, floats = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantEmbedding):
+            quantized[f"{name}.weight"] = module.table.quant_tensor()
+        elif isinstance(module, QuantLinear) and not name.endswith(".table") and not (
+                name == "output" and isinstance(model.tok_embeddings, QuantEmbedding)):
+            quantized[f"{name}.weight"] = module.quant_tensor()
+    for name, p in model.named_parameters():
+        floats[name] = p.detach().float()
+    if cfg.tie_embeddings:
+        floats.pop("output.weight", None)
+        quantized.pop("output.weight", None)
+    return floats, quantized
+
+
+def _tokenizer_metadata(writer, tokenizer) -> None:
+    backend = tokenizer.backend
+    vocab = backend.get_vocab(with_added_tokens=True)
+    tokens = [None] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        tokens[i] = token
+    if any(t is None for t in tokens):
+        raise HardyError("the tokenizer's ids are not contiguous; cannot write a GGUF vocabulary")
+    model = json.loads(backend.to_str())["model"]
+    if model.get("type") != "BPE":
+        raise HardyError(f"GGUF export supports BPE tokenizers (this one is {model.get('type')})")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    types = [3 if t in special else 1 for t in tokens]  # 3 = control, 1 = normal
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer.pre or "gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if tokenizer.bos_id is not None:
+        writer.add_bos_token_id(tokenizer.bos_id)
+    if tokenizer.eos_id is not None:
+        writer.add_eos_token_id(tokenizer.eos_id)
+    writer.add_add_bos_token(bool(tokenizer.add_bos))
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32") -> dict:
+    """Write `out` atomically; returns {"repacked": n, "requantized": n, "float": n} tensor counts."""
+    import logging
+
+    import gguf
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer narrates every file at INFO
+    if qtype not in TYPES:
+        raise HardyError(f"--type must be one of {', '.join(TYPES)} (got {qtype!r})")
+    if tokenizer is None:
+        raise HardyError("the model has no tokenizer: llama.cpp needs one in the GGUF file")
+    if cfg.rope_scaling is not None:  # llama.cpp wants a rope_freqs tensor hardy's importer cannot read back
+        raise HardyError("GGUF export of Llama 3.1-style RoPE scaling is not supported yet")
+    out = Path(out)
+    if out.exists():
+        raise HardyError(f"output {out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    floats, quantized = _tensors(model, cfg)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    counts = {"repacked": 0, "requantized": 0, "float": 0}
+    try:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        writer.add_name(cfg.name)
+        writer.add_context_length(cfg.max_seq_len)
+        writer.add_embedding_length(cfg.dim)
+        writer.add_block_count(cfg.n_layers)
+        writer.add_feed_forward_length(cfg.ffn_dim)
+        writer.add_head_count(cfg.n_heads)
+        writer.add_head_count_kv(cfg.n_kv_heads)
+        writer.add_rope_freq_base(cfg.rope_theta)
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        writer.add_rope_dimension_count(cfg.d_head)
+        if cfg.d_head != cfg.dim // cfg.n_heads:
+            writer.add_key_length(cfg.d_head)
+            writer.add_value_length(cfg.d_head)
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_file_type(_file_type(qtype))
+        _tokenizer_metadata(writer, tokenizer)
+        names = list(floats) + [n for n in quantized if n not in floats]
+        for name in sorted(names, key=_order):
+            target = to_format(name, "gguf")
+            heads = cfg.n_heads if name.endswith("attention.wq.weight") else (
+                cfg.n_kv_heads if name.endswith("attention.wk.weight") else None)
+            qt = quantized.get(name)
+            if qt is not None and heads:
+                qt = _permute_quant(qt, heads)
+            matrix_type = qtype if (qtype in ("F32", "F16") or (name in quantized or floats[name].ndim == 2)) else "F32"
+            if qt is not None:
+                blocks = repack_blocks(qt, qtype)
+                if blocks is not None:
+                    writer.add_tensor(target, blocks, raw_dtype=gguf.GGMLQuantizationType[qtype])
+                    counts["repacked"] += 1
+                    continue
+                values = qt.dequantize()
+            else:
+                values = floats[name]
+                if heads:
+                    values = permute_qk(values, heads)
+            array = np.ascontiguousarray(values.numpy().astype(np.float32))
+            if array.ndim == 1 or matrix_type == "F32":
+                writer.add_tensor(target, array)
+                counts["float"] += 1
+            elif matrix_type == "F16" or array.shape[-1] % BLOCK:
+                writer.add_tensor(target, array.astype(np.float16))
+                counts["float"] += 1
+            else:
+                t = gguf.GGMLQuantizationType[matrix_type]
+                writer.add_tensor(target, gguf.quants.quantize(array, t), raw_dtype=t)
+                counts["requantized"] += 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.rename(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return counts
+
+
+def _order(name: str) -> tuple:
+    """llama.cpp's conventional order: token_embd, blocks in order, output_norm, output."""
+    if name.startswith("layers."):
+        return (1, int(name.split(".")[1]), name)
+    return ({"tok_embeddings.weight": 0, "norm.weight": 2, "output.weight": 3}.get(name, 4), 0, name)

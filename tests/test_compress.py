@@ -1,0 +1,116 @@
+"""hardy compress: quantization formats (GGUF-identical blocks), GPTQ / AWQ / SparseGPT / Wanda against
+their baselines, the stored directory, the quantized runtime and the CLI."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_hardy
+from hardy.compress import awq, gptq, prune
+from hardy.compress.quant import QuantSpec, QuantTensor, pack_int4, rtn, unpack_int4
+from hardy.errors import HardyError
+
+
+def _correlated(tokens=4096, width=256, seed=0):
+    """Activations with correlated channels and a few outlier channels, like an LLM's."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g) @ torch.randn(64, width, generator=g) + 0.1 * torch.randn(tokens, width, generator=g)
+    x[:, :4] *= 8
+    w = torch.randn(192, width, generator=g) * 0.05
+    return x, w
+
+
+def _out_err(x, w, x_hat, w_hat):
+    ref = x @ w.t()
+    return float((x_hat @ w_hat.t() - ref).norm() / ref.norm())
+
+
+# ------------------------------------------------------------------ formats
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128)])
+def test_rtn_round_trips_through_its_stored_form(spec):
+    w = torch.randn(64, 256) * 0.02
+    q = rtn(w, spec)
+    back = QuantTensor.from_packed(q.packed(), spec, (64, 256))
+    assert torch.equal(back.dequantize(), q.dequantize())
+    err = float((q.dequantize() - w).norm() / w.norm())
+    assert err < {8: 0.01, 4: 0.12, 3: 0.25}[spec.bits]
+    if spec.bits == 4:
+        assert q.packed()["qweight"].shape == (64, 128) and q.packed()["qweight"].dtype == torch.uint8
+    assert q.stored_bits() == pytest.approx(spec.bits + 16 * (1 if spec.symmetric else 2) / (spec.group_size or 256))
+
+
+def test_int4_packing_is_ggufs_block_order():
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert torch.equal(unpack_int4(packed), codes)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 16] << 4)  # byte j: code j low, code j + 16 high
+    assert packed[1, 16] == codes[1, 32] | (codes[1, 48] << 4)
+
+
+def test_int4_g32_and_int8_g32_are_gguf_q4_1_and_q8_0_exactly():
+    gguf = pytest.importorskip("gguf")
+    w = torch.randn(8, 128) * 0.05
+    q4 = rtn(w, QuantSpec(4, 32)).packed()
+    blocks = np.concatenate([q4["scales"].reshape(-1, 1).numpy().view(np.uint8),
+                             q4["mins"].reshape(-1, 1).numpy().view(np.uint8),
+                             q4["qweight"].reshape(-1, 16).numpy()], axis=1).reshape(8, -1)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
+    assert np.array_equal(ref, rtn(w, QuantSpec(4, 32)).dequantize().numpy())
+    q8 = rtn(w, QuantSpec(8, 32)).packed()
+    blocks = np.concatenate([q8["scales"].reshape(-1, 1).numpy().view(np.uint8),
+                             q8["qweight"].reshape(-1, 32).numpy().view(np.uint8)], axis=1).reshape(8, -1)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ref, rtn(w, QuantSpec(8, 32)).dequantize().numpy())
+
+
+def test_bad_specs_are_readable_errors():
+    with pytest.raises(HardyError, match="bits"):
+        QuantSpec(5, 32)
+    with pytest.raises(HardyError, match="multiple of 32"):
+        QuantSpec(4, 48)
+    with pytest.raises(HardyError, match="does not divide"):
+        rtn(torch.randn(4, 96), QuantSpec(4, 64))
+    with pytest.raises(HardyError, match="sparsity"):
+        prune.Sparsity.parse("1.5")
+
+
+# ------------------------------------------------------------------ methods on one layer
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128), QuantSpec(8, 0)])
+def test_gptq_and_awq_cut_the_layer_output_error_of_rtn(spec):
+    x, w = _correlated()
+    h = 2 * x.t() @ x / x.shape[0]
+    e_rtn = _out_err(x, w, x, rtn(w, spec).dequantize())
+    e_gptq = _out_err(x, w, x, gptq.gptq(w, h, spec).dequantize())
+    assert e_gptq <= 0.9 * e_rtn
+    assert _out_err(x, w, x, gptq.gptq(w, h, spec, act_order=False).dequantize()) <= e_rtn
+    s = awq.search_scale(x, [w], spec)
+    e_awq = _out_err(x, w, x / s, awq.awq_quantize(x / s, w * s, spec).dequantize())
+    assert e_awq <= 0.9 * e_rtn
+
+
+def test_gptq_keeps_a_pruning_mask():
+    x, w = _correlated()
+    h = 2 * x.t() @ x / x.shape[0]
+    pruned, mask = prune.sparsegpt(w, h, prune.Sparsity(fraction=0.5))
+    q = gptq.gptq(pruned, h, QuantSpec(8, 0), mask=mask)
+    assert (q.dequantize()[~mask] == 0).all()  # symmetric grid: zero is exact
+
+
+@pytest.mark.parametrize("sparsity", ["0.5", "2:4"])
+def test_pruning_methods_hit_the_sparsity_and_beat_magnitude(sparsity):
+    x, w = _correlated()
+    h = 2 * x.t() @ x / x.shape[0]
+    sp = prune.Sparsity.parse(sparsity)
+    results = {"magnitude": prune.magnitude(w, sp), "wanda": prune.wanda(w, torch.diag(h), sp),
+               "sparsegpt": prune.sparsegpt(w, h, sp)}
+    for name, (pruned, mask) in results.items():
+        assert (pruned[~mask] == 0).all() and float((~mask).float().mean()) == pytest.approx(0.5, abs=0.01), name
+        if sp.structured:  # exactly 2 zeros in every 4 consecutive input weights
+            assert ((~mask).reshape(w.shape[0], -1, 4).sum(-1) == 2).all(), name
+    err = {name: _out_err(x, w, x, p) for name, (p, _) in results.items()}
+    assert err["wanda"] < err["magnitude"] and err["sparsegpt"] < err["magnitude"], err
