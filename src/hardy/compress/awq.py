@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor, rtn
+from hardy.compress.quant import QuantSpec, QuantTensor, grouped, rtn
 
 GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # 1.0 .. 0.55
@@ -41,10 +41,9 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
     """w with each (row, group) clipped to the ratio of its range that minimizes that group's
     contribution to the output error on x [tokens, in]."""
     out, cols = w.shape
-    groups = spec.groups(cols)
-    g = cols // groups
-    xg = x.float().reshape(-1, groups, g)
-    wg = w.float().reshape(out, groups, g)
+    groups, g = spec.groups(cols), spec.group_width(cols)
+    xg = grouped(x.float(), g, fill="zero")
+    wg = grouped(w.float(), g)
     lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
     if spec.symmetric:
         lo = -torch.maximum(lo.abs(), hi.abs())
@@ -53,12 +52,12 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
     best = wg.clone()
     for r in CLIP_RATIOS:
         clipped = torch.minimum(torch.maximum(wg, lo * r), hi * r)
-        delta = rtn(clipped.reshape(out, cols), spec).dequantize().reshape(out, groups, g) - wg
+        delta = grouped(rtn(clipped.reshape(out, -1)[:, :cols], spec).dequantize(), g) - wg
         err = torch.einsum("ogk,tgk->ogt", delta, xg).pow(2).mean(-1)  # per (row, group)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better[..., None], clipped, best)
-    return best.reshape(out, cols)
+    return best.reshape(out, -1)[:, :cols]
 
 
 def awq_quantize(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> QuantTensor:

@@ -43,7 +43,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, block_size: in
     w[:, dead] = 0.0
     if mask is not None:
         w = w * mask
-    group = spec.group_size or cols
+    group = spec.group_width(cols)
     groups = spec.groups(cols)
     scale = torch.empty(out_features, groups)
     mins = None if spec.symmetric else torch.empty(out_features, groups)

@@ -39,11 +39,12 @@ class QuantSpec:
     def maxq(self) -> int:
         return 127 if self.symmetric else (1 << self.bits) - 1
 
+    def group_width(self, in_features: int) -> int:
+        return min(self.group_size or in_features, in_features)
+
     def groups(self, in_features: int) -> int:
-        g = self.group_size or in_features
-        if in_features % g:
-            raise HardyError(f"group size {g} does not divide the layer's {in_features} input columns")
-        return in_features // g
+        """Groups per row; a last group may be narrower (SmolLM2's 576 columns = 4 x 128 + 64)."""
+        return -(-in_features // self.group_width(in_features))
 
     def to_dict(self) -> dict:
         return {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
@@ -93,12 +94,11 @@ class QuantTensor:
         return tuple(self.codes.shape)
 
     def dequantize(self) -> torch.Tensor:
-        out, cols = self.codes.shape
-        groups = self.scale.shape[1]
-        codes = self.codes.reshape(out, groups, cols // groups)
-        scale = self.scale.float().unsqueeze(-1)
-        mins = None if self.mins is None else self.mins.float().unsqueeze(-1)
-        return dequantize_with(codes, scale, mins).reshape(out, cols)
+        cols = self.codes.shape[1]
+        g = self.spec.group_width(cols)
+        scale = self.scale.float().repeat_interleave(g, dim=1)[:, :cols]
+        mins = None if self.mins is None else self.mins.float().repeat_interleave(g, dim=1)[:, :cols]
+        return dequantize_with(self.codes, scale, mins)
 
     def packed(self) -> dict[str, torch.Tensor]:
         """The stored tensors: qweight (int8 codes, packed 4-bit bytes, or 3-bit codes), scales, mins."""
@@ -137,13 +137,23 @@ class QuantTensor:
         return (self.spec.bits * n + extra) / n
 
 
+def grouped(t: torch.Tensor, g: int, fill: str = "edge") -> torch.Tensor:
+    """[..., cols] -> [..., groups, g]; a narrower last group is padded by repeating its last column
+    ("edge": min, max and |max| unchanged) or with zeros ("zero": no contribution to a dot product)."""
+    cols = t.shape[-1]
+    pad = -cols % g
+    if pad:
+        extra = t[..., -1:].expand(*t.shape[:-1], pad) if fill == "edge" else t.new_zeros(*t.shape[:-1], pad)
+        t = torch.cat([t, extra], dim=-1)
+    return t.reshape(*t.shape[:-1], t.shape[-1] // g, g)
+
+
 def rtn(w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
     """Round-to-nearest on the group grid."""
     out, cols = w.shape
-    groups = spec.groups(cols)
-    wg = w.float().reshape(out, groups, cols // groups)
+    wg = grouped(w.float(), spec.group_width(cols))
     scale, mn = group_params(wg, spec)
-    codes = quantize_with(wg, scale, mn, spec).reshape(out, cols)
+    codes = quantize_with(wg, scale, mn, spec).reshape(out, -1)[:, :cols]
     return QuantTensor(codes=codes.to(torch.int8 if spec.symmetric else torch.uint8), scale=scale.squeeze(-1).half(),
                        mins=None if mn is None else mn.squeeze(-1).half(), spec=spec)
 

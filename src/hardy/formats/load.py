@@ -133,6 +133,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
             model = model_from_compressed(cfg, state, quantized, str(path)).to(device=device)
             for p in model.parameters():  # float parameters only: codes and fp16 scales stay as stored
                 p.data = p.data.to(dtype)
+            from hardy.compress.kernels import prepare
+
+            prepare(model)  # the fused int8/int4 decode kernels (HARDY_NO_KERNELS=1: PyTorch path only)
             return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
         from hardy.formats.hf import load_hf_dir
 

@@ -1,0 +1,111 @@
+"""The fused decode path for quantized layers: a small C++ extension (csrc/qgemv.cpp), compiled
+once per machine type with the CPU's vector ISA and cached, with the plain PyTorch path as the
+fallback wherever it cannot be built.
+
+Why an extension (measured, docs/quantization.md): torch's own `_weight_int8pack_mm` is 5x slower
+than the fp32 GEMV here, a `torch.compile`d dequantize-GEMV 1.5x slower on SmolLM2's layers
+(call overhead), while int8 multiply-adds on int8-quantized activations (llama.cpp's method on
+AVX2) stream the 4-bit weights at their own size.
+
+    python -m hardy.compress.kernels          # build (make test / make demo do it after install)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
+_module = None
+_tried = False
+
+
+def _isa_flags() -> list[str]:
+    if os.environ.get("HARDY_KERNEL_ISA") == "generic":  # force the portable build (tests, odd CPUs)
+        return []
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy"))
+    return root / "kernels"
+
+
+def load(verbose: bool = False):
+    """The compiled extension, or None where it cannot be built (then layers use PyTorch)."""
+    global _module, _tried
+    if _module is not None or _tried:
+        return _module
+    _tried = True
+    if os.environ.get("HARDY_NO_KERNELS"):
+        return None
+    from torch.utils.cpp_extension import load as load_extension
+
+    flags = _isa_flags()
+    tag = "avx2" if flags else "generic"
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}"
+    directory = build_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        _module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *flags],
+                                 build_directory=str(directory), verbose=verbose)
+    except Exception as e:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
+        log.warning("quantized decode kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0][:200])
+        _module = None
+    return _module
+
+
+def supports(layer) -> bool:
+    spec, cols = layer.spec, layer.in_features
+    group = spec.group_size or cols
+    if cols % 32 or group % 32:
+        return False
+    return (spec.bits == 4 and not spec.symmetric) or (spec.bits == 8 and spec.symmetric)
+
+
+def make_kernel(layer, module):
+    group = layer.spec.group_size or layer.in_features
+    if layer.spec.bits == 4:
+        def kernel(x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(-1, layer.in_features).float().contiguous()
+            y = module.q4_gemv(flat, layer.qweight, layer.scales, layer.mins, group)
+            return y.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)
+    else:
+        def kernel(x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(-1, layer.in_features).float().contiguous()
+            y = module.q8_gemv(flat, layer.qweight, layer.scales, group)
+            return y.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)
+    return kernel
+
+
+def prepare(model) -> int:
+    """Attach the fused kernel to every supported quantized layer; returns how many got it."""
+    from hardy.compress.qlinear import QuantLinear
+
+    module = load()
+    if module is None:
+        return 0
+    count = 0
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear) and layer.qweight.device.type == "cpu" and supports(layer):
+            layer.kernel = make_kernel(layer, module)
+            count += 1
+    return count
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="hardy: %(message)s")
+    m = load(verbose="-v" in sys.argv)
+    if m is None:
+        print("hardy: kernels could not be built; quantized layers will use the PyTorch path", file=sys.stderr)
+        sys.exit(1)
+    print(f"hardy: quantized decode kernels ready ({'AVX2' if m.has_avx2() else 'portable scalar'}) in {build_dir()}")
