@@ -2,13 +2,11 @@
 their baselines, the stored directory, the quantized runtime and the CLI."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import run_hardy
 from hardy.compress import awq, gptq, prune
 from hardy.compress.quant import QuantSpec, QuantTensor, pack_int4, rtn, unpack_int4
 from hardy.errors import HardyError

@@ -70,7 +70,25 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, begin: int, end: int) -> "KVCache":
+        """A cache over batch rows [begin, end) sharing this one's storage (one request's slot)."""
+        view = KVCache.__new__(KVCache)
+        nn.Module.__init__(view)
+        view.register_buffer("k", self.k[begin:end], persistent=False)
+        view.register_buffer("v", self.v[begin:end], persistent=False)
+        return view
+
+    def update(self, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v at `start` (an int for the whole batch, or a [batch] tensor: one position per row
+        for single-token decoding of sequences of different lengths); return keys/values so far."""
+        if isinstance(start, torch.Tensor):
+            b, end = k.shape[0], int(start.max()) + 1
+            if end > self.k.shape[2]:
+                raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
+            rows = torch.arange(b, device=k.device)
+            self.k[rows, :, start] = k[:, :, 0]
+            self.v[rows, :, start] = v[:, :, 0]
+            return self.k[:b, :, :end], self.v[:b, :, :end]
         b, end = k.shape[0], start + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
@@ -89,7 +107,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.d_head, cfg.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -98,7 +117,11 @@ class Attention(nn.Module):
         mask, causal = None, s > 1
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start_pos, k, v)
-            if s > 1 and start_pos > 0:
+            if isinstance(start_pos, torch.Tensor):  # batched decode: row i sees keys 0 .. start_pos[i]
+                positions = torch.arange(k.shape[2], device=x.device)
+                mask = (positions[None, :] <= start_pos[:, None])[:, None, None, :]
+                causal = False
+            elif s > 1 and start_pos > 0:
                 # Prefill that continues an existing cache: query i sees keys up to start_pos + i.
                 mask = torch.ones(s, start_pos + s, dtype=torch.bool, device=x.device).tril(start_pos)
                 causal = False
@@ -127,7 +150,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -197,21 +221,31 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = None
 
-    def hidden_states(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Final normalized hidden states [batch, seq, dim] (the LM head is applied separately)."""
-        end = start_pos + tokens.shape[1]
+    def hidden_states(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+        """Final normalized hidden states [batch, seq, dim] (the LM head is applied separately).
+
+        `start_pos` may be a [batch] tensor of positions for one token per row (batched decoding of
+        sequences of different lengths, with the KV cache set up)."""
+        per_row = isinstance(start_pos, torch.Tensor)
+        if per_row and tokens.shape[1] != 1:
+            raise ValueError("per-row positions are for single-token decoding")
+        end = (int(start_pos.max()) if per_row else start_pos) + tokens.shape[1]
         if end > self._rope_len:
             if end > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {end} positions exceeds max_seq_len {self.cfg.max_seq_len}")
             self.reset_rope(max(end, min(2 * self._rope_len, self.cfg.max_seq_len)))
-        cos = self.rope_cos[start_pos:end].to(self.norm.weight.dtype)
-        sin = self.rope_sin[start_pos:end].to(self.norm.weight.dtype)
+        if per_row:  # [batch, 1 (heads), 1 (seq), head_dim]: broadcasts against q/k
+            cos = self.rope_cos[start_pos][:, None, None, :].to(self.norm.weight.dtype)
+            sin = self.rope_sin[start_pos][:, None, None, :].to(self.norm.weight.dtype)
+        else:
+            cos = self.rope_cos[start_pos:end].to(self.norm.weight.dtype)
+            sin = self.rope_sin[start_pos:end].to(self.norm.weight.dtype)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; with `targets`, the mean next-token loss instead (no full logits)."""
         h = self.hidden_states(tokens, start_pos)
         if targets is not None:

@@ -1,0 +1,69 @@
+"""hardy serve: an OpenAI-compatible HTTP API with continuous batching (docs/serving.md)."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from hardy.cli.common import add_model_args
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start)")
+    p.add_argument("--name", default=None, help="the model id clients use (default: the --model argument)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503 queue full")
+    p.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens a request may ask")
+    p.add_argument("--context", type=int, default=None, help="KV cache length per request (default: the model's)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to let running requests finish")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hardy.cli.common import load_from_args
+    from hardy.errors import HardyError
+    from hardy.serve.api import Server
+    from hardy.serve.engine import Engine
+
+    for key in ("max_batch", "max_queue", "max_tokens"):
+        if getattr(args, key) < 1:
+            raise HardyError(f"--{key.replace('_', '-')} must be >= 1")
+    if args.context is not None and args.context < 2:
+        raise HardyError("--context must be >= 2")
+    loaded = load_from_args(args)
+    engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context)
+    try:
+        server = Server((args.host, args.port), engine, loaded.tokenizer, args.name or args.model, args.max_tokens)
+    except OSError as e:
+        engine.close()
+        raise HardyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    host, port = server.server_address[:2]
+    print(f"hardy: serving {args.name or args.model} on http://{host}:{port}/v1 (max batch {args.max_batch}, "
+          f"context {engine.context})", flush=True)
+    stopping = threading.Event()
+
+    def shutdown(signum, frame):
+        if stopping.is_set():
+            return
+        stopping.set()
+
+        def drain():
+            done = engine.drain(args.drain_timeout)
+            print(f"hardy: {'drained' if done else 'drain timeout; dropping'} running requests, stopping",
+                  file=sys.stderr, flush=True)
+            server.shutdown()
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    try:
+        server.serve_forever(poll_interval=0.1)
+    finally:
+        server.server_close()
+        engine.close()
+    return 0

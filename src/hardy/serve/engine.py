@@ -1,0 +1,164 @@
+"""The serving engine: one thread owns the model and batches every running request's next token
+into one forward pass (continuous batching), so concurrent clients share each read of the weights.
+
+Each request gets a slot of a static KV cache [max_batch, ...]: its prompt is prefilled alone into
+that slot, then every decode step feeds one token per active slot at that slot's own position
+(`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart). A request
+leaves at a stop token or its max_tokens and its slot takes the next waiting request.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hardy.infer.generate import SamplingConfig, sample
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    sampling: SamplingConfig
+    stop_ids: set[int]
+    id: int = field(default_factory=itertools.count().__next__)
+    events: "queue.Queue" = field(default_factory=queue.Queue)  # ("token", id) ... then ("done", reason)
+    created: float = field(default_factory=time.time)
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Slot:
+    request: Request
+    position: int  # where the next fed token goes
+    last: int  # the token to feed next
+
+
+class Engine:
+    def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None):
+        self.model = model
+        self.max_batch = max_batch
+        self.context = min(context or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.slots: list[_Slot | None] = [None] * max_batch
+        self.accepting = True
+        self.largest_batch = 0  # the most requests decoded together so far (observable by tests)
+        self.steps = 0
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        model.setup_kv_cache(max_batch, self.context)
+        self._caches = [layer.attention.kv_cache for layer in model.layers]
+        self._thread = threading.Thread(target=self._loop, name="hardy-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def submit(self, request: Request) -> Request:
+        if not self.accepting:
+            raise ShuttingDown()
+        if request.sampling.seed is not None:
+            request.generator = torch.Generator().manual_seed(request.sampling.seed)
+        try:
+            self.waiting.put_nowait(request)
+        except queue.Full:
+            raise QueueFull() from None
+        self._idle.clear()
+        return request
+
+    @property
+    def busy(self) -> int:
+        return sum(s is not None for s in self.slots) + self.waiting.qsize()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop accepting; wait up to `timeout` s for queued and running requests. True if all finished."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self.busy
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.model.clear_kv_cache()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _emit(self, slot_index: int, token: int) -> bool:
+        """Record a new token; True when the request is finished (and its slot freed)."""
+        slot = self.slots[slot_index]
+        req = slot.request
+        req.tokens.append(token)
+        stop = token in req.stop_ids
+        if not stop:
+            req.events.put(("token", token))
+        if stop or len(req.tokens) >= req.sampling.max_new_tokens:
+            req.events.put(("done", "stop" if stop else "length"))
+            self.slots[slot_index] = None
+            return True
+        return False
+
+    @torch.inference_mode()
+    def _prefill(self, slot_index: int, req: Request) -> None:
+        for layer, cache in zip(self.model.layers, self._caches):
+            layer.attention.kv_cache = cache.rows(slot_index, slot_index + 1)
+        try:
+            hidden = self.model.hidden_states(torch.tensor([req.prompt]), 0)[0, -1]
+            logits = self.model.output(hidden)
+        finally:
+            for layer, cache in zip(self.model.layers, self._caches):
+                layer.attention.kv_cache = cache
+        self.slots[slot_index] = _Slot(req, position=len(req.prompt), last=0)
+        token = sample(logits, req.sampling, req.generator)
+        if not self._emit(slot_index, token):
+            self.slots[slot_index].last = token
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        active = [i for i, s in enumerate(self.slots) if s is not None]
+        n = max(active) + 1  # rows 0 .. n-1 (an empty row in between computes and is ignored)
+        tokens = torch.zeros(n, 1, dtype=torch.long)
+        positions = torch.zeros(n, dtype=torch.long)
+        for i in active:
+            tokens[i, 0], positions[i] = self.slots[i].last, self.slots[i].position
+        logits = self.model.output(self.model.hidden_states(tokens, positions)[:, -1])
+        self.largest_batch = max(self.largest_batch, len(active))
+        self.steps += 1
+        for i in active:
+            slot = self.slots[i]
+            token = sample(logits[i], slot.request.sampling, slot.request.generator)
+            slot.position += 1
+            if not self._emit(i, token):
+                slot.last = token
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for i in range(self.max_batch):  # admit waiting requests into free slots
+                    if self.slots[i] is None and not self.waiting.empty():
+                        self._prefill(i, self.waiting.get_nowait())
+                if any(s is not None for s in self.slots):
+                    self._decode_step()
+                else:
+                    self._idle.set()
+                    try:
+                        req = self.waiting.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    self._prefill(0, req)
+            except Exception as e:  # a failing forward must not strand clients: fail what is running
+                for i, s in enumerate(self.slots):
+                    if s is not None:
+                        s.request.events.put(("error", f"{type(e).__name__}: {e}"))
+                        self.slots[i] = None

@@ -1,0 +1,173 @@
+"""hardy serve: concurrent clients get exactly their single-request greedy answers from batched
+decoding, streaming works, every malformed request class gets a 4xx JSON error (never taking the
+server down), a full queue answers 503 with Retry-After, SIGTERM drains running requests."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import REPO
+from hardy.formats.load import load_model
+from hardy.infer.generate import SamplingConfig, generate
+
+PROMPTS = ["KING:", "First Citizen:\nBefore we", "ROMEO:\nO", "What is", "Thou art", "MENENIUS:"]
+
+
+class Served:
+    def __init__(self, model: str, *extra: str):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "hardy", "serve", "--model", model, "--port", "0", *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+        line = self.proc.stdout.readline()
+        assert "serving" in line, line + self.proc.stderr.read()
+        self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        return resp.status, dict(resp.getheaders()), payload
+
+    def json(self, method, path, body=None, **kw):
+        status, headers, payload = self.request(method, path, body, **kw)
+        return status, headers, json.loads(payload)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def served(mini_run):
+    s = Served(str(mini_run / "run"), "--max-batch", "4", "--max-tokens", "64", "--name", "mini")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(mini_run):
+    loaded = load_model(str(mini_run / "run"))
+    tok = loaded.tokenizer
+
+    def answer(prompt: str, n: int) -> str:
+        out = generate(loaded.model, tok.encode(prompt), SamplingConfig(max_new_tokens=n), stop_ids=tok.stop_ids)
+        return tok.decode([t for t in out.tokens if t not in tok.stop_ids])
+
+    return answer
+
+
+def test_concurrent_clients_get_their_greedy_answers_from_batched_decoding(served, reference):
+    results = {}
+
+    def client(i, prompt):
+        results[i] = served.json("POST", "/v1/completions", {"model": "mini", "prompt": prompt, "max_tokens": 32})
+
+    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, prompt in enumerate(PROMPTS):
+        status, _, body = results[i]
+        assert status == 200, body
+        assert body["choices"][0]["text"] == reference(prompt, 32), prompt
+        assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] <= 32
+    _, _, health = served.json("GET", "/health")
+    assert health["status"] == "ok" and health["largest_batch"] > 1  # requests really shared decode steps
+
+
+def test_streaming_matches_the_plain_answer(served, reference):
+    status, headers, payload = served.request("POST", "/v1/completions",
+                                              {"prompt": "KING:", "max_tokens": 20, "stream": True})
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    events = [line[len("data: "):] for line in payload.decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reference("KING:", 20)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop") and chunks[-1]["usage"]["prompt_tokens"] > 0
+
+
+def test_models_endpoint(served):
+    status, _, body = served.json("GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["mini"]
+
+
+@pytest.mark.parametrize("path,body,raw,status,code", [
+    ("/v1/completions", None, b"{not json", 400, "invalid_json"),
+    ("/v1/completions", [1, 2], None, 400, "invalid_request_error"),
+    ("/v1/completions", {"max_tokens": 4}, None, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404, "model_not_found"),
+    ("/v1/completions", {"prompt": "KING " * 300, "max_tokens": 8}, None, 400, "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, None, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, None, 400, "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": "hello"}, None, 400, "invalid_request_error"),
+    ("/v1/embeddings", {"input": "x"}, None, 404, "not_found"),
+])
+def test_malformed_requests_get_4xx_json_and_the_server_lives(served, path, body, raw, status, code):
+    got, headers, payload = served.request("POST", path, body, raw=raw)
+    error = json.loads(payload)["error"]
+    assert got == status and error["code"] == code and error["message"], (got, error)
+    assert headers["Content-Type"] == "application/json"
+    assert served.json("GET", "/health")[0] == 200
+
+
+def test_queue_full_is_503_with_retry_after(mini_run):
+    s = Served(str(mini_run / "run"), "--max-batch", "1", "--max-queue", "1", "--max-tokens", "200")
+    try:
+        answers = []
+
+        def client():
+            answers.append(s.request("POST", "/v1/completions", {"prompt": "KING:", "max_tokens": 200}))
+
+        threads = [threading.Thread(target=client) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        statuses = sorted(a[0] for a in answers)
+        assert 200 in statuses and 503 in statuses, statuses
+        full = next(a for a in answers if a[0] == 503)
+        assert full[1]["Retry-After"] == "1" and json.loads(full[2])["error"]["code"] == "queue_full"
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_running_requests(mini_run):
+    s = Served(str(mini_run / "run"), "--max-tokens", "200", "--drain-timeout", "60")
+    answer = {}
+
+    def client():
+        answer["r"] = s.json("POST", "/v1/completions", {"prompt": "KING:", "max_tokens": 200})
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.time() + 30
+    while s.json("GET", "/health")[2]["running"] == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(timeout=120)
+    status, _, body = answer["r"]
+    assert status == 200 and body["usage"]["completion_tokens"] > 0  # finished, not cut off
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    assert s.proc.wait(timeout=30) == 0
+    assert "drained" in s.proc.stderr.read()
+    s.stop()
