@@ -1,0 +1,118 @@
+"""Decode tokens/s at batch 1 for SmolLM2-135M: hardy fp32 / int8 / int4 (the fused kernels) against
+`transformers` fp32 on the same weights and, where `llama-cpp-python` is installed, llama.cpp
+running hardy's own GGUF exports (Q8_0, Q4_0, Q4_1). Runs alternate so machine noise hits all;
+medians and ratios are printed.
+
+    .venv/bin/python bench/quant_decode.py --threads 2 --new-tokens 128 --repeats 5
+
+The quantized models are RTN (no calibration needed for speed): int8 per channel and int4 g32
+(= Q4_1), with the embedding / tied LM head quantized too ("+emb") — and int4 with it left in fp32,
+to show what the 28 M-parameter head costs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def compress_rtn(base, bits: int, group: int, embeddings: bool, out: Path):
+    from hardy.compress.pipeline import CompressConfig, compress_model
+    from hardy.compress.store import save_compressed
+    from hardy.formats.load import load_model
+
+    src = load_model(base)
+    cfg = CompressConfig(quant="rtn", bits=bits, group_size=group, quantize_embeddings=embeddings)
+    result = compress_model(src.model, cfg, None, progress=False)
+    save_compressed(src.config, result.state, result.quantized, src.tokenizer, out, {"bench": True})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt", default="The history of the Roman Empire begins with")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from hardy.formats.gguf_export import export_gguf
+    from hardy.formats.load import load_model, smollm2_gguf_path
+    from hardy.infer.generate import SamplingConfig, generate
+
+    tmp = Path(tempfile.mkdtemp(prefix="hardy-qdecode-"))
+    variants = {"hardy fp32": "smollm2-135m",
+                "hardy int8 +emb": compress_rtn("smollm2-135m", 8, 0, True, tmp / "int8"),
+                "hardy int4 g32 +emb": compress_rtn("smollm2-135m", 4, 32, True, tmp / "int4"),
+                "hardy int4 g32": compress_rtn("smollm2-135m", 4, 32, False, tmp / "int4-fp32emb")}
+    models = {name: load_model(str(spec)) for name, spec in variants.items()}
+    tok = models["hardy fp32"].tokenizer
+    prompt = tok.encode(args.prompt)
+    cfg = SamplingConfig(max_new_tokens=args.new_tokens)
+    runners = {}
+    for name, loaded in models.items():
+        runners[name] = (lambda m=loaded.model: generate(m, prompt, cfg).stats.decode_tps)
+
+    if not args.no_hf:
+        import transformers
+
+        path = smollm2_gguf_path()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+        ids = torch.tensor([prompt])
+
+        @torch.inference_mode()
+        def run_hf():
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                        pad_token_id=tok.eos_id)
+            return args.new_tokens / (time.perf_counter() - t0)
+
+        runners["transformers fp32"] = run_hf
+
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+        print("(llama-cpp-python is not installed: no llama.cpp rows; `pip install llama-cpp-python` compiles it)")
+    if llama_cpp is not None:
+        for qtype, source in (("Q8_0", "hardy int8 +emb"), ("Q4_0", "hardy fp32"), ("Q4_1", "hardy int4 g32 +emb")):
+            path = tmp / f"smollm2-{qtype}.gguf"
+            src = models[source]
+            export_gguf(src.model, src.config, src.tokenizer, path, qtype)
+            llm = llama_cpp.Llama(model_path=str(path), n_threads=args.threads, n_ctx=512, verbose=False)
+
+            def run_llama(llm=llm):
+                t0 = time.perf_counter()
+                out = llm.create_completion(args.prompt, max_tokens=args.new_tokens, temperature=0.0)
+                n = out["usage"]["completion_tokens"]
+                return n / (time.perf_counter() - t0)
+
+            runners[f"llama.cpp {qtype} (hardy export)"] = run_llama
+
+    for fn in runners.values():
+        fn()  # warm-up
+    rates = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            rates[name].append(fn())
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    base = med["hardy fp32"]
+    print(f"SmolLM2-135M, batch 1, {args.threads} threads, {len(prompt)}-token prompt, {args.new_tokens} new tokens, "
+          f"median of {args.repeats}")
+    print(f"  {'model':<32} {'decode tok/s':>12} {'vs hardy fp32':>14}")
+    for name, rate in med.items():
+        print(f"  {name:<32} {rate:12.1f} {rate / base:13.2f}x")
+    for name in med:
+        if name.startswith("llama.cpp Q4"):
+            print(f"  hardy int4 g32 +emb / {name}: {med['hardy int4 g32 +emb'] / med[name]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
