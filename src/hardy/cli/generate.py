@@ -18,15 +18,36 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s at the end")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import os
+
+    from hardy.errors import HardyError
     from hardy.infer.generate import SamplingConfig, generate
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed)
+    if args.tp < 1:
+        raise HardyError(f"--tp must be >= 1 (got {args.tp})")
+    if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
+        from hardy.formats.load import config_for
+        from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
+
+        check_tp(args.model, config_for(args.model), args.tp)  # bad input fails here, before any process starts
+        return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
+    rank = 0
+    if args.tp > 1:
+        from hardy.infer.tensor_parallel import shard_model
+
+        rank = shard_model(loaded.model, args.tp).rank
+    if rank != 0:  # every rank computes (each holds a slice); only rank 0 talks
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = open(os.devnull, "w")
     tok = loaded.tokenizer
     text = args.prompt
     if args.chat:

@@ -212,7 +212,10 @@ class Transformer(nn.Module):
         device = self.norm.weight.device
         for layer in self.layers:
             wk = layer.attention.wk  # a quantized layer (hardy.compress) keeps no float weight
-            n_kv_local = (wk.weight.shape[0] if hasattr(wk, "weight") else wk.out_features) // layer.attention.head_dim
+            rows = wk.weight.shape[0] if hasattr(wk, "weight") else wk.out_features
+            if hasattr(wk, "weight") and hasattr(wk.weight, "to_local"):  # sharded by a parallelize step
+                rows = wk.weight.to_local().shape[0]
+            n_kv_local = rows // layer.attention.head_dim
             layer.attention.kv_cache = KVCache(batch, n_kv_local, max_seq, layer.attention.head_dim, dtype, device)
         if self._rope_len < max_seq:
             self.reset_rope(max_seq)
