@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+from hardy.errors import HardyError
 
 
 def fsync_path(path: Path) -> None:
@@ -29,3 +34,25 @@ def write_bytes_atomic(path: Path, data: bytes, durable: bool = True) -> None:
 
 def write_json_atomic(path: Path, data: dict, durable: bool = True) -> None:
     write_bytes_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode(), durable)
+
+
+@contextmanager
+def atomic_directory(out: str | os.PathLike):
+    """Build a directory under a temporary sibling name, then fsync its files and rename it into
+    place; on any error nothing is left behind. `out` must not exist or be an empty directory."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HardyError(f"output {out} already exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            fsync_path(f)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+        fsync_path(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ from safetensors.torch import save_file
 from hardy.compress.quant import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.names import from_format, to_format
-from hardy.fsio import fsync_path
+from hardy.fsio import atomic_directory
 
 FORMAT = "hardy.quant/1"
 MANIFEST = "quantization.json"
@@ -41,12 +39,7 @@ def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, Qu
     """Write atomically (temporary sibling directory, fsync, rename)."""
     from hardy.formats.hf import hf_config
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HardyError(f"output {out} already exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         tensors = {}
         for name, t in state.items():
             if name in quantized or (cfg.tie_embeddings and name == "output.weight"):
@@ -68,15 +61,7 @@ def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, Qu
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             tokenizer.save_hf(tmp)
-        for f in tmp.iterdir():
-            fsync_path(f)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 def load_compressed(path: str | os.PathLike):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hardy.errors import HardyError
-from hardy.eval.perplexity import plan_chunks, summarize
+from hardy.eval.perplexity import chunk_batches, plan_chunks, summarize
 
 
 @dataclass
@@ -55,7 +55,6 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
             batch_size: int = 1, progress: bool = False) -> list[dict]:
     """Per model: ppl, se, and KL / top-1 agreement against models[0], on the same positions."""
     chunks = plan_chunks(len(tokens), ctx, protocol)
-    stream = torch.tensor(tokens, dtype=torch.long)
     nlls = [[] for _ in models]
     kl_sum = [0.0] * len(models)
     agree = [0] * len(models)
@@ -65,15 +64,7 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
         from tqdm import tqdm
 
         bar = tqdm(total=len(chunks), unit="chunk", desc="compare", dynamic_ncols=True)
-    i = 0
-    while i < len(chunks):
-        group = [chunks[i]]
-        while (len(group) < batch_size and i + len(group) < len(chunks)
-               and chunks[i + len(group)].length == chunks[i].length):
-            group.append(chunks[i + len(group)])
-        batch = torch.stack([stream[c.start:c.start + c.length] for c in group])
-        if protocol == "llama.cpp" and add_bos and bos_id is not None:
-            batch[:, 0] = bos_id
+    for group, batch in chunk_batches(chunks, tokens, batch_size, protocol, bos_id, add_bos):
         first, last = group[0].first_scored, group[0].last_scored
         targets = batch[:, first + 1:last + 2].flatten()
         ref_logp = None
@@ -87,7 +78,6 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
                 kl_sum[m] += float((ref_logp.exp() * (ref_logp - logp)).sum())
                 agree[m] += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
         scored += targets.numel()
-        i += len(group)
         if bar is not None:
             bar.update(len(group))
     if bar is not None:

@@ -84,6 +84,24 @@ def summarize(nll: torch.Tensor) -> tuple[float, float, float]:
     return ppl, se, mean
 
 
+def chunk_batches(chunks: list[Chunk], tokens: list[int], batch_size: int, protocol: str,
+                  bos_id: int | None, add_bos: bool):
+    """(chunks, token batch) groups of up to `batch_size` chunks of equal length (only a
+    full-protocol tail chunk differs), with BOS in front under llama.cpp's protocol."""
+    stream = torch.tensor(tokens, dtype=torch.long)
+    i = 0
+    while i < len(chunks):
+        group = [chunks[i]]
+        while (len(group) < batch_size and i + len(group) < len(chunks)
+               and chunks[i + len(group)].length == chunks[i].length):
+            group.append(chunks[i + len(group)])
+        batch = torch.stack([stream[c.start:c.start + c.length] for c in group])
+        if protocol == "llama.cpp" and add_bos and bos_id is not None:
+            batch[:, 0] = bos_id
+        yield group, batch
+        i += len(group)
+
+
 @torch.inference_mode()
 def chunk_nll(model, tokens: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """NLL of tokens[:, first+1 .. last+1] given the prefix; LM head applied to scored rows only."""
@@ -97,26 +115,15 @@ def perplexity(model, tokens: list[int], ctx: int = 512, protocol: str = "llama.
                bos_id: int | None = None, add_bos: bool = False, batch_size: int = 1,
                progress: bool = False) -> PerplexityResult:
     chunks = plan_chunks(len(tokens), ctx, protocol)
-    stream = torch.tensor(tokens, dtype=torch.long)
     nlls = []
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(chunks), unit="chunk", desc=f"perplexity ({protocol})", dynamic_ncols=True)
-    # Chunks of equal shape are batched; only a full-protocol tail chunk differs.
-    i = 0
-    while i < len(chunks):
-        group = [chunks[i]]
-        while (len(group) < batch_size and i + len(group) < len(chunks)
-               and chunks[i + len(group)].length == chunks[i].length):
-            group.append(chunks[i + len(group)])
-        batch = torch.stack([stream[c.start:c.start + c.length] for c in group])
-        if protocol == "llama.cpp" and add_bos and bos_id is not None:
-            batch[:, 0] = bos_id
+    for group, batch in chunk_batches(chunks, tokens, batch_size, protocol, bos_id, add_bos):
         nll = chunk_nll(model, batch, group[0].first_scored, group[0].last_scored)
         nlls.append(nll.flatten())
-        i += len(group)
         if bar is not None:
             bar.update(len(group))
             running = math.exp(torch.cat(nlls).double().mean().item())

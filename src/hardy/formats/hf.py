@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -12,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hardy.errors import HardyError
-from hardy.fsio import fsync_path
+from hardy.fsio import atomic_directory
 from hardy.formats.names import from_format, to_format
 from hardy.model.config import ModelConfig, RopeScaling
 
@@ -100,12 +98,7 @@ def load_hf_dir(path: str | os.PathLike):
 def save_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer, out: str | os.PathLike,
                 dtype: torch.dtype = torch.float32) -> Path:
     """Write atomically: build in a temporary sibling directory, fsync, then rename into place."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HardyError(f"output {out} already exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         tensors = {}
         for name, t in state.items():
             if cfg.tie_embeddings and name == "output.weight":
@@ -120,12 +113,4 @@ def save_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer, out
             {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}, indent=2))
         if tokenizer is not None:
             tokenizer.save_hf(tmp)
-        for f in tmp.iterdir():
-            fsync_path(f)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)

@@ -55,6 +55,26 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, 
   }
 }
 
+// The activations of one call, quantized: int8 codes, per-block scales and per-block float sums.
+struct QuantizedInput {
+  torch::Tensor codes, scales, sums;
+  explicit QuantizedInput(const torch::Tensor& x) {
+    const int64_t T = x.size(0), K = x.size(1);
+    codes = torch::empty({T, K}, torch::kInt8);
+    scales = torch::empty({T, K / QK}, torch::kFloat32);
+    sums = torch::empty({T, K / QK}, torch::kFloat32);
+    quantize_rows(x.data_ptr<float>(), T, K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>());
+  }
+};
+
+void check_input(const torch::Tensor& x, const torch::Tensor& scales, int64_t rows_k, int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [T, K]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16, "fp16 scales");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % QK == 0 && rows_k == K && group % QK == 0 && scales.size(1) == (K + group - 1) / group,
+              "shape mismatch");
+}
+
 #ifdef HARDY_AVX2
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -68,22 +88,18 @@ inline float hsum8(__m256 v) {
 
 // y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group
 torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [T, K]");
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && mins.scalar_type() == torch::kFloat16, "fp16 scales/mins");
+  TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.sizes() == scales.sizes(), "fp16 mins like scales");
+  check_input(x, scales, packed.size(1) * 2, group);
   const int64_t T = x.size(0), K = x.size(1), N = packed.size(0), G = scales.size(1);
-  TORCH_CHECK(K % QK == 0 && packed.size(1) * 2 == K && group % QK == 0 && G == (K + group - 1) / group, "shape mismatch");
-  auto xq = torch::empty({T, K}, torch::kInt8);
-  auto dx = torch::empty({T, K / QK}, torch::kFloat32);
-  auto xs = torch::empty({T, K / QK}, torch::kFloat32);
-  quantize_rows(x.data_ptr<float>(), T, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>());
+  const QuantizedInput in(x);
   auto y = torch::empty({T, N}, torch::kFloat32);
   const uint8_t* W = packed.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  const int8_t* XQ = xq.data_ptr<int8_t>();
-  const float* DX = dx.data_ptr<float>();
-  const float* XS = xs.data_ptr<float>();
+  const int8_t* XQ = in.codes.data_ptr<int8_t>();
+  const float* DX = in.scales.data_ptr<float>();
+  const float* XS = in.sums.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   const int64_t nb = K / QK, bpg = group / QK;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -134,20 +150,15 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
 
 // y[t, o] = sum_k x[t, k] * code[o, k] * scale[o, g]  (int8 symmetric; group 0 = per row)
 torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [T, K]");
   TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.is_contiguous(), "codes: contiguous int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16, "fp16 scales");
+  check_input(x, scales, codes.size(1), group);
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
-  TORCH_CHECK(K % QK == 0 && codes.size(1) == K && group % QK == 0 && G == (K + group - 1) / group, "shape mismatch");
-  auto xq = torch::empty({T, K}, torch::kInt8);
-  auto dx = torch::empty({T, K / QK}, torch::kFloat32);
-  auto xs = torch::empty({T, K / QK}, torch::kFloat32);
-  quantize_rows(x.data_ptr<float>(), T, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>());
+  const QuantizedInput in(x);
   auto y = torch::empty({T, N}, torch::kFloat32);
   const int8_t* W = codes.data_ptr<int8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const int8_t* XQ = xq.data_ptr<int8_t>();
-  const float* DX = dx.data_ptr<float>();
+  const int8_t* XQ = in.codes.data_ptr<int8_t>();
+  const float* DX = in.scales.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   const int64_t nb = K / QK, bpg = group / QK;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
