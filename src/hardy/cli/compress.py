@@ -62,8 +62,10 @@ def run(args) -> int:
     if args.dtype != "fp32":
         raise HardyError("hardy compress works on fp32 weights (--dtype fp32)")
     loaded = load_from_args(args)
-    if any(True for _ in loaded.model.buffers() if _.dtype in (__import__("torch").uint8,)):
-        raise HardyError(f"{args.model} is already compressed; compress its float original")
+    from hardy.compress.qlinear import quantized_modules
+
+    if quantized_modules(loaded.model):
+        raise HardyError(f"{args.model} is already quantized; compress its float original")
     mcfg = loaded.config
     if cfg.quant and cfg.bits == 4:
         for width in (mcfg.dim, mcfg.ffn_dim, mcfg.n_heads * mcfg.d_head):

@@ -1,0 +1,117 @@
+"""Quality of every compression setting on one model: perplexity (llama.cpp protocol) on evaluation
+text the model never saw, the change against the dense model, and the mean layer-output error on
+calibration data against plain RTN's — with the orderings issue 6 asks for checked at the end.
+
+    .venv/bin/python bench/compress_bench.py --model runs/small --calib-data wikitext2-valid \
+        --eval-data wikitext2-test --ctx 512
+    .venv/bin/python bench/compress_bench.py --model smollm2-135m --calib-data wikitext2-valid \
+        --eval-data wikitext2-test --max-tokens 65536 --settings smollm2
+
+Every setting starts from the same dense weights and the same calibration windows (seeded).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+ALL = ([("rtn", 8, 0, None, None)]
+       + [(q, b, g, None, None) for b, g in ((4, 32), (4, 128), (3, 128)) for q in ("rtn", "gptq", "awq")]
+       + [(None, None, None, p, s) for s in ("0.5", "2:4") for p in ("magnitude", "wanda", "sparsegpt")]
+       + [("gptq", 8, 0, "sparsegpt", "2:4")])
+
+
+def label(q, b, g, p, s) -> str:
+    parts = []
+    if p:
+        parts.append(f"{p} {s}")
+    if q:
+        parts.append(f"{q} int{b}" + (f" g{g}" if g else " per-channel"))
+    return " + ".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--calib-data", default="wikitext2-valid")
+    ap.add_argument("--calib-samples", type=int, default=128)
+    ap.add_argument("--calib-seq", type=int, default=512)
+    ap.add_argument("--eval-data", default="wikitext2-test")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--settings", default="all", help="all, or a comma list of indices into the table")
+    args = ap.parse_args()
+
+    import torch
+
+    from hardy.cli.compress import calibration_batch
+    from hardy.compress.pipeline import CompressConfig, compress_model
+    from hardy.data.text import read_text
+    from hardy.eval.perplexity import perplexity
+    from hardy.formats.load import load_model
+
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    seq = min(args.calib_seq, loaded.config.max_seq_len)
+    calib = calibration_batch(tok, read_text(args.calib_data), args.calib_samples, seq, seed=0)
+    tokens = tok.encode(read_text(args.eval_data))
+    if args.max_tokens:
+        tokens = tokens[:args.max_tokens]
+    base = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+
+    def evaluate() -> float:
+        return perplexity(loaded.model, tokens, ctx=args.ctx, bos_id=tok.bos_id, add_bos=tok.add_bos,
+                          batch_size=args.batch).ppl
+
+    t0 = time.perf_counter()
+    dense = evaluate()
+    print(f"{args.model}: dense PPL {dense:.4f} on {len(tokens)} tokens of {args.eval_data} "
+          f"(llama.cpp protocol, ctx {args.ctx}; {time.perf_counter() - t0:.0f} s); calibration {calib.shape[0]} x "
+          f"{calib.shape[1]} tokens of {args.calib_data}", flush=True)
+    settings = ALL if args.settings == "all" else [ALL[int(i)] for i in args.settings.split(",")]
+    print("| setting | PPL | vs dense | layer-output error | RTN's error | compress s |")
+    print("|---|---|---|---|---|---|")
+    results = {}
+    for q, b, g, p, s in settings:
+        loaded.model.load_state_dict(base)
+        cfg = CompressConfig(quant=q, bits=b or 4, group_size=g or 0, prune=p, sparsity=s or "0.5",
+                             calib_samples=calib.shape[0], calib_seq=calib.shape[1])
+        t0 = time.perf_counter()
+        result = compress_model(loaded.model, cfg, calib, progress=False)
+        took = time.perf_counter() - t0
+        ppl = evaluate()
+        err = statistics.fmean(r.output_error for r in result.reports)
+        rtn_errs = [r.rtn_output_error for r in result.reports if r.rtn_output_error is not None]
+        rtn_err = statistics.fmean(rtn_errs) if rtn_errs else None
+        name = label(q, b, g, p, s)
+        results[name] = (ppl, err, rtn_err)
+        print(f"| {name} | {ppl:.4f} | {100 * (ppl / dense - 1):+.2f}% | {err:.4f} | "
+              f"{'-' if rtn_err is None else f'{rtn_err:.4f}'} | {took:.0f} |", flush=True)
+        del result
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print()
+    checks = []
+    if "rtn int8 per-channel" in results:
+        d = results["rtn int8 per-channel"][0] / dense - 1
+        checks.append(("int8 RTN ΔPPL ≤ 0.5%", abs(d) <= 0.005, f"{100 * d:+.2f}%"))
+    for b, g in ((4, 32), (4, 128), (3, 128)):
+        r = results.get(f"rtn int{b} g{g}")
+        for m in ("gptq", "awq"):
+            x = results.get(f"{m} int{b} g{g}")
+            if r and x:
+                checks.append((f"{m} int{b} g{g}: PPL ≤ RTN", x[0] <= r[0], f"{x[0]:.4f} vs {r[0]:.4f}"))
+                checks.append((f"{m} int{b} g{g}: layer error ≥ 10% below RTN", x[1] <= 0.9 * x[2],
+                               f"{x[1]:.4f} vs {x[2]:.4f}"))
+    for s in ("0.5", "2:4"):
+        mag = results.get(f"magnitude {s}")
+        for m in ("wanda", "sparsegpt"):
+            x = results.get(f"{m} {s}")
+            if mag and x:
+                checks.append((f"{m} {s}: PPL < magnitude", x[0] < mag[0], f"{x[0]:.4f} vs {mag[0]:.4f}"))
+    for what, ok, detail in checks:
+        print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
+
+
+if __name__ == "__main__":
+    main()
