@@ -68,7 +68,7 @@ struct QuantizedInput {
 };
 
 void check_input(const torch::Tensor& x, const torch::Tensor& scales, int64_t rows_k, int64_t group) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [T, K]");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [..., K]");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat16, "fp16 scales");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % QK == 0 && rows_k == K && group % QK == 0 && scales.size(1) == (K + group - 1) / group,
@@ -87,7 +87,9 @@ inline float hsum8(__m256 v) {
 }  // namespace
 
 // y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group
-torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group) {
+torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group) {
+  // any leading shape: [..., K] -> [..., N], computed as [T, K] rows
+  const auto x = x_in.reshape({-1, x_in.size(-1)});
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
   TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.sizes() == scales.sizes(), "fp16 mins like scales");
   check_input(x, scales, packed.size(1) * 2, group);
@@ -145,11 +147,14 @@ torch::Tensor q4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
       }
     }
   });
-  return y;
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
 }
 
 // y[t, o] = sum_k x[t, k] * code[o, k] * scale[o, g]  (int8 symmetric; group 0 = per row)
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group) {
+torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes, torch::Tensor scales, int64_t group) {
+  const auto x = x_in.reshape({-1, x_in.size(-1)});
   TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.is_contiguous(), "codes: contiguous int8 [N, K]");
   check_input(x, scales, codes.size(1), group);
   const int64_t T = x.size(0), K = x.size(1), N = codes.size(0), G = scales.size(1);
@@ -190,7 +195,9 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
       }
     }
   });
-  return y;
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
