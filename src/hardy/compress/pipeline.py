@@ -59,6 +59,10 @@ class CompressConfig:
         return QuantSpec(bits=self.bits, group_size=self.group_size)
 
     @property
+    def needs_hessian(self) -> bool:
+        return self.quant == "gptq" or self.prune == "sparsegpt"
+
+    @property
     def needs_calibration(self) -> bool:
         return self.quant in ("gptq", "awq") or self.prune in ("wanda", "sparsegpt")
 
@@ -82,8 +86,12 @@ class CompressResult:
 
 
 class _InputStats:
-    def __init__(self, width: int, tokens: int, generator: torch.Generator):
-        self.hessian = torch.zeros(width, width, dtype=torch.float64)
+    """Σ xᵀx over calibration tokens (GPTQ, SparseGPT) — or only its diagonal Σ x_j² when no method
+    needs more (Wanda's norms; the full product costs a GEMM per chunk) — and a token sample."""
+
+    def __init__(self, width: int, generator: torch.Generator, full: bool):
+        self.full = full
+        self.hessian = torch.zeros(width, width, dtype=torch.float64) if full else torch.zeros(width, dtype=torch.float64)
         self.count = 0
         self.samples: list[torch.Tensor] = []
         self.budget = SAMPLE_TOKENS
@@ -91,7 +99,7 @@ class _InputStats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        self.hessian += (x.t() @ x).double()
+        self.hessian += (x.t() @ x).double() if self.full else x.double().pow(2).sum(0)
         self.count += x.shape[0]
         if self.budget > 0:
             keep = x[torch.randperm(x.shape[0], generator=self.generator)[:self.budget]]
@@ -99,10 +107,11 @@ class _InputStats:
             self.budget -= keep.shape[0]
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (2 * self.hessian / max(1, self.count)).float(), torch.cat(self.samples)
+        h = (2 * self.hessian / max(1, self.count)).float()
+        return (h if self.full else torch.diag(h)), torch.cat(self.samples)
 
 
-def _block_inputs(block, x, cos, sin, chunk: int) -> dict[str, _InputStats]:
+def _block_inputs(block, x, cos, sin, chunk: int, full_hessian: bool) -> dict[str, _InputStats]:
     """Run the block on x [n, s, dim] in chunks, recording each distinct linear input."""
     gen = torch.Generator().manual_seed(0)
     stats: dict[str, _InputStats] = {}
@@ -115,7 +124,7 @@ def _block_inputs(block, x, cos, sin, chunk: int) -> dict[str, _InputStats]:
         def hook(mod, args, kind=kind):
             inp = args[0]
             if kind not in stats:
-                stats[kind] = _InputStats(inp.shape[-1], 0, gen)
+                stats[kind] = _InputStats(inp.shape[-1], gen, full_hessian)
             stats[kind].add(inp)
 
         hooks.append(module.register_forward_pre_hook(hook))
@@ -188,7 +197,7 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
         chunk = max(1, 8192 // seq)
         bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
         for li, block in enumerate(model.layers):
-            stats = _block_inputs(block, x, cos, sin, chunk)
+            stats = _block_inputs(block, x, cos, sin, chunk, cfg.needs_hessian)
             inputs = {k: v.finish() for k, v in stats.items()}
             originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
             masks = {}
