@@ -46,21 +46,21 @@ def run(args) -> int:
           f"context {engine.context})", flush=True)
     stopping = threading.Event()
 
-    def shutdown(signum, frame):
-        if stopping.is_set():
-            return
+    def drain_then_stop():  # started before serving: the signal handler itself only sets an event
+        stopping.wait()
+        done = engine.drain(args.drain_timeout)
+        print(f"hardy: {'drained' if done else 'drain timeout; dropping'} running requests, stopping",
+              file=sys.stderr, flush=True)
+        server.shutdown()
+
+    def on_signal(signum, frame):
+        # Nothing that takes locks a handler thread's start-up may hold (a handler runs between any
+        # two bytecodes of the main thread, e.g. inside Thread.start() for a new connection).
         stopping.set()
 
-        def drain():
-            done = engine.drain(args.drain_timeout)
-            print(f"hardy: {'drained' if done else 'drain timeout; dropping'} running requests, stopping",
-                  file=sys.stderr, flush=True)
-            server.shutdown()
-
-        threading.Thread(target=drain, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
+    threading.Thread(target=drain_then_stop, name="hardy-drain", daemon=True).start()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         server.serve_forever(poll_interval=0.1)
     finally:
