@@ -27,7 +27,9 @@ def run(args) -> int:
         print(f"wrote {args.out} ({args.type}: {counts['repacked']} tensors repacked from hardy's quantized "
               f"weights, {counts['requantized']} quantized, {counts['float']} float)")
         return 0
-    if any(True for _ in loaded.model.buffers()) and hasattr(loaded.model.layers[0].attention.wq, "qweight"):
+    from hardy.compress.qlinear import quantized_modules
+
+    if quantized_modules(loaded.model):
         from hardy.errors import HardyError
 
         raise HardyError(f"{args.model} is quantized: export it as GGUF, or compress its float original")

@@ -91,5 +91,4 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, block_size: in
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inverse = torch.argsort(perm)
     codes = codes[:, inverse]
-    dtype = torch.int8 if spec.symmetric else torch.uint8
-    return QuantTensor(codes=codes.to(dtype), scale=scale.half(), mins=None if mins is None else mins.half(), spec=spec)
+    return QuantTensor(codes=codes.to(spec.code_dtype), scale=scale.half(), mins=None if mins is None else mins.half(), spec=spec)

@@ -23,6 +23,8 @@ PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
 LINEARS = {"attention.wq": "attn_in", "attention.wk": "attn_in", "attention.wv": "attn_in",
            "attention.wo": "attn_out", "feed_forward.w1": "ffn_in", "feed_forward.w3": "ffn_in",
            "feed_forward.w2": "ffn_mid"}
+# The first linear reading each distinct input: its pre-hook records that input for all its readers.
+INPUT_READERS = {kind: name for name, kind in reversed(LINEARS.items())}
 SAMPLE_TOKENS = 2048  # tokens kept per input for AWQ's searches and the error report
 
 
@@ -116,9 +118,7 @@ def _block_inputs(block, x, cos, sin, chunk: int, full_hessian: bool) -> dict[st
     gen = torch.Generator().manual_seed(0)
     stats: dict[str, _InputStats] = {}
     hooks = []
-    for name, kind in LINEARS.items():
-        if name not in ("attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2"):
-            continue  # shares its input with one of these
+    for kind, name in INPUT_READERS.items():
         module = block.get_submodule(name)
 
         def hook(mod, args, kind=kind):

@@ -28,12 +28,17 @@ class QuantSpec:
     symmetric: bool | None = None  # default: symmetric for 8 bits, asymmetric below
 
     def __post_init__(self):
-        if self.bits not in (8, 4, 3, 2):
+        if self.bits not in (8, 4, 3):
             raise HardyError(f"--bits must be 8, 4 or 3 (got {self.bits})")
         if self.group_size < 0 or (self.group_size and self.group_size % PACK_BLOCK and self.bits == 4):
             raise HardyError(f"--group-size must be 0 (per channel) or a multiple of {PACK_BLOCK} (got {self.group_size})")
         if self.symmetric is None:
             object.__setattr__(self, "symmetric", self.bits == 8)
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """Unpacked codes: signed for the symmetric grid, unsigned for the asymmetric one."""
+        return torch.int8 if self.symmetric else torch.uint8
 
     @property
     def maxq(self) -> int:
@@ -105,7 +110,7 @@ class QuantTensor:
         if self.spec.bits == 4:
             qweight = pack_int4(self.codes)
         else:
-            qweight = self.codes.to(torch.int8 if self.spec.symmetric else torch.uint8)
+            qweight = self.codes.to(self.spec.code_dtype)
         out = {"qweight": qweight.contiguous(), "scales": self.scale.half().contiguous()}
         if self.mins is not None:
             out["mins"] = self.mins.half().contiguous()
@@ -117,11 +122,7 @@ class QuantTensor:
         try:
             qweight, scales = tensors["qweight"], tensors["scales"]
             mins = tensors.get("mins")
-            codes = unpack_int4(qweight) if spec.bits == 4 else qweight
-            if spec.symmetric:
-                codes = codes.to(torch.int8)
-            else:
-                codes = codes.to(torch.uint8)
+            codes = (unpack_int4(qweight) if spec.bits == 4 else qweight).to(spec.code_dtype)
             groups = spec.groups(shape[1])
             if tuple(codes.shape) != tuple(shape) or tuple(scales.shape) != (shape[0], groups) or (
                     (mins is None) != spec.symmetric) or (mins is not None and mins.shape != scales.shape):
@@ -154,7 +155,7 @@ def rtn(w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
     wg = grouped(w.float(), spec.group_width(cols))
     scale, mn = group_params(wg, spec)
     codes = quantize_with(wg, scale, mn, spec).reshape(out, -1)[:, :cols]
-    return QuantTensor(codes=codes.to(torch.int8 if spec.symmetric else torch.uint8), scale=scale.squeeze(-1).half(),
+    return QuantTensor(codes=codes.to(spec.code_dtype), scale=scale.squeeze(-1).half(),
                        mins=None if mn is None else mn.squeeze(-1).half(), spec=spec)
 
 

@@ -143,15 +143,13 @@ def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_file_type(_file_type(qtype))
         _tokenizer_metadata(writer, tokenizer)
-        names = list(floats) + [n for n in quantized if n not in floats]
-        for name in sorted(names, key=_order):
+        for name in sorted([*floats, *quantized], key=_order):  # disjoint: quantized layers hold no parameters
             target = to_format(name, "gguf")
             heads = cfg.n_heads if name.endswith("attention.wq.weight") else (
                 cfg.n_kv_heads if name.endswith("attention.wk.weight") else None)
             qt = quantized.get(name)
             if qt is not None and heads:
                 qt = _permute_quant(qt, heads)
-            matrix_type = qtype if (qtype in ("F32", "F16") or (name in quantized or floats[name].ndim == 2)) else "F32"
             if qt is not None:
                 blocks = repack_blocks(qt, qtype)
                 if blocks is not None:
@@ -164,14 +162,14 @@ def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32
                 if heads:
                     values = permute_qk(values, heads)
             array = np.ascontiguousarray(values.numpy().astype(np.float32))
-            if array.ndim == 1 or matrix_type == "F32":
+            if array.ndim == 1 or qtype == "F32":
                 writer.add_tensor(target, array)
                 counts["float"] += 1
-            elif matrix_type == "F16" or array.shape[-1] % BLOCK:
+            elif qtype == "F16" or array.shape[-1] % BLOCK:
                 writer.add_tensor(target, array.astype(np.float16))
                 counts["float"] += 1
             else:
-                t = gguf.GGMLQuantizationType[matrix_type]
+                t = gguf.GGMLQuantizationType[qtype]
                 writer.add_tensor(target, gguf.quants.quantize(array, t), raw_dtype=t)
                 counts["requantized"] += 1
         writer.write_header_to_file()

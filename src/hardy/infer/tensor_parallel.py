@@ -33,7 +33,7 @@ def check_tp(spec: str, cfg, tp: int) -> None:
 
     from hardy.compress.store import is_compressed_dir
 
-    if Path(spec).is_dir() and is_compressed_dir(Path(spec)):
+    if is_compressed_dir(Path(spec)):
         raise HardyError("tensor parallelism runs float models; a compressed model cannot be sharded yet")
     for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
         if n % tp:
@@ -50,7 +50,9 @@ def shard_model(model, tp: int):
     env = init_distributed("gloo")
     if env.world_size != tp:
         raise HardyError(f"--tp {tp} but {env.world_size} processes were started")
-    if any(hasattr(m, "qweight") for m in model.modules()):
+    from hardy.compress.qlinear import quantized_modules
+
+    if quantized_modules(model):
         raise HardyError("tensor parallelism runs float models (fp32/bf16); quantized layers cannot be sharded yet")
     from torch.distributed.device_mesh import init_device_mesh
 

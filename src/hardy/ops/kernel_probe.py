@@ -1,6 +1,7 @@
 """Training- and decode-shaped kernel rates for `hardy probe`: the three GEMMs of a linear layer by
-model width, causal attention (SDPA) forward + backward by head size, eager elementwise operators on
-a working set larger than the caches, and batch-1 GEMV weight streaming by width.
+model width, causal attention (SDPA) forward + backward by head size, the eager elementwise operators of a
+real Llama layer's forward + backward (DRAM-resident activations), and batch-1 GEMV weight
+streaming by width.
 
 Each is measured the way training or decoding meets it, not at its best case: on a CPU a 64-wide
 GEMM runs at a fraction of a square one, flash attention with 16-dim heads at a sixth of the GEMM

@@ -57,8 +57,11 @@ class Engine:
         self.largest_batch = 0  # the most requests decoded together so far (observable by tests)
         self.steps = 0
         self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        # Submissions and the end of admission are ordered by this lock, and only the engine thread
+        # (which owns the hand-over from queue to slot) declares the drain complete: no request can
+        # be between the two and get lost.
+        self._admission = threading.Lock()
+        self._drained = threading.Event()
         model.setup_kv_cache(max_batch, self.context)
         self._caches = [layer.attention.kv_cache for layer in model.layers]
         self._thread = threading.Thread(target=self._loop, name="hardy-engine", daemon=True)
@@ -66,15 +69,15 @@ class Engine:
 
     # ------------------------------------------------------------------ API (any thread)
     def submit(self, request: Request) -> Request:
-        if not self.accepting:
-            raise ShuttingDown()
         if request.sampling.seed is not None:
             request.generator = torch.Generator().manual_seed(request.sampling.seed)
-        try:
-            self.waiting.put_nowait(request)
-        except queue.Full:
-            raise QueueFull() from None
-        self._idle.clear()
+        with self._admission:
+            if not self.accepting:
+                raise ShuttingDown()
+            try:
+                self.waiting.put_nowait(request)
+            except queue.Full:
+                raise QueueFull() from None
         return request
 
     @property
@@ -83,11 +86,9 @@ class Engine:
 
     def drain(self, timeout: float) -> bool:
         """Stop accepting; wait up to `timeout` s for queued and running requests. True if all finished."""
-        self.accepting = False
-        deadline = time.monotonic() + timeout
-        while self.busy and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return not self.busy
+        with self._admission:
+            self.accepting = False
+        return self._drained.wait(timeout)
 
     def close(self) -> None:
         self._stop.set()
@@ -144,6 +145,8 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if not self.accepting and self.waiting.empty() and not any(self.slots):
+                self._drained.set()  # nothing queued, nothing held, and nothing more can arrive
             try:
                 for i in range(self.max_batch):  # admit waiting requests into free slots
                     if self.slots[i] is None and not self.waiting.empty():
@@ -151,7 +154,6 @@ class Engine:
                 if any(s is not None for s in self.slots):
                     self._decode_step()
                 else:
-                    self._idle.set()
                     try:
                         req = self.waiting.get(timeout=0.05)
                     except queue.Empty:
