@@ -12,41 +12,27 @@ import statistics
 import time
 
 import torch
+from decode_common import add_decode_args, transformers_smollm2
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompt", default="The history of the Roman Empire begins with")
+    add_decode_args(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    import transformers
-
-    from hardy.formats.load import load_model, smollm2_gguf_path
+    from hardy.formats.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
 
-    path = smollm2_gguf_path()
     ours = load_model("smollm2-135m")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
     prompt = ours.tokenizer.encode(args.prompt)
     cfg = SamplingConfig(max_new_tokens=args.new_tokens)
-    ids = torch.tensor([prompt])
+    run_hf = transformers_smollm2(prompt, args.new_tokens, ours.tokenizer.eos_id)
 
     def run_hardy():
         t0 = time.perf_counter()
         out = generate(ours.model, prompt, cfg).tokens
         return time.perf_counter() - t0, out
-
-    @torch.inference_mode()
-    def run_hf():
-        t0 = time.perf_counter()
-        out = theirs.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                              do_sample=False, pad_token_id=ours.tokenizer.eos_id)
-        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
 
     run_hardy(), run_hf()  # warm-up
     times = {"hardy": [], "transformers": []}

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode_common import add_decode_args, transformers_smollm2
 
 
 def compress_rtn(base, bits: int, group: int, embeddings: bool, out: Path):
@@ -34,16 +35,13 @@ def compress_rtn(base, bits: int, group: int, embeddings: bool, out: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompt", default="The history of the Roman Empire begins with")
+    add_decode_args(ap)
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from hardy.formats.gguf_export import export_gguf
-    from hardy.formats.load import load_model, smollm2_gguf_path
+    from hardy.formats.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
 
     tmp = Path(tempfile.mkdtemp(prefix="hardy-qdecode-"))
@@ -60,21 +58,8 @@ def main() -> None:
         runners[name] = (lambda m=loaded.model: generate(m, prompt, cfg).stats.decode_tps)
 
     if not args.no_hf:
-        import transformers
-
-        path = smollm2_gguf_path()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
-        ids = torch.tensor([prompt])
-
-        @torch.inference_mode()
-        def run_hf():
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                        pad_token_id=tok.eos_id)
-            return args.new_tokens / (time.perf_counter() - t0)
-
-        runners["transformers fp32"] = run_hf
+        run_hf = transformers_smollm2(prompt, args.new_tokens, tok.eos_id)
+        runners["transformers fp32"] = lambda: args.new_tokens / run_hf()[0]
 
     try:
         import llama_cpp
