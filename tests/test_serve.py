@@ -73,7 +73,7 @@ def reference(mini_run):
     return answer
 
 
-def test_concurrent_clients_get_their_greedy_answers_from_batched_decoding(served, reference):
+def assert_concurrent_clients_get_their_greedy_answers(served, reference):
     results = {}
 
     def client(i, prompt):
@@ -91,6 +91,11 @@ def test_concurrent_clients_get_their_greedy_answers_from_batched_decoding(serve
         assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] <= 32
     _, _, health = served.json("GET", "/health")
     assert health["status"] == "ok" and health["largest_batch"] > 1  # requests really shared decode steps
+
+
+def test_concurrent_clients_get_their_greedy_answers_from_batched_decoding(served, reference):
+    assert served.json("GET", "/health")[2]["processes"] == 1
+    assert_concurrent_clients_get_their_greedy_answers(served, reference)
 
 
 def test_streaming_matches_the_plain_answer(served, reference):
@@ -151,8 +156,7 @@ def test_queue_full_is_503_with_retry_after(mini_run):
         s.stop()
 
 
-def test_sigterm_drains_running_requests(mini_run):
-    s = Served(str(mini_run / "run"), "--max-tokens", "200", "--drain-timeout", "60")
+def sigterm_drains_a_running_request(s: Served) -> None:
     answer = {}
 
     def client():
@@ -168,6 +172,23 @@ def test_sigterm_drains_running_requests(mini_run):
     status, _, body = answer["r"]
     assert status == 200 and body["usage"]["completion_tokens"] > 0  # finished, not cut off
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
-    assert s.proc.wait(timeout=30) == 0
+    assert s.proc.wait(timeout=60) == 0
     assert "drained" in s.proc.stderr.read()
     s.stop()
+
+
+def test_sigterm_drains_running_requests(mini_run):
+    sigterm_drains_a_running_request(Served(str(mini_run / "run"), "--max-tokens", "200", "--drain-timeout", "60"))
+
+
+def test_tp2_server_starts_its_workers_batches_and_drains(mini_run, reference):
+    """`serve --tp 2` starts two torchrun workers itself; rank 0 serves, rank 1 follows every forward."""
+    s = Served(str(mini_run / "run"), "--tp", "2", "--threads", "2", "--max-batch", "4", "--max-tokens", "200",
+               "--name", "mini", "--drain-timeout", "30")
+    try:
+        assert s.json("GET", "/health")[2]["processes"] == 2
+        assert_concurrent_clients_get_their_greedy_answers(s, reference)
+    except BaseException:
+        s.stop()
+        raise
+    sigterm_drains_a_running_request(s)

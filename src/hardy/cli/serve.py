@@ -20,22 +20,48 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=None, help="KV cache length per request (default: the model's)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import os
+
     from hardy.cli.common import load_from_args
     from hardy.errors import HardyError
     from hardy.serve.api import Server
-    from hardy.serve.engine import Engine
+    from hardy.serve.engine import Engine, ModelRunner, context_length
 
-    for key in ("max_batch", "max_queue", "max_tokens"):
+    for key in ("max_batch", "max_queue", "max_tokens", "tp"):
         if getattr(args, key) < 1:
             raise HardyError(f"--{key.replace('_', '-')} must be >= 1")
     if args.context is not None and args.context < 2:
         raise HardyError("--context must be >= 2")
+    if args.drain_timeout < 0:
+        raise HardyError("--drain-timeout must be >= 0")
+    if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
+        from hardy.formats.load import config_for
+        from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
+
+        check_tp(args.model, config_for(args.model), args.tp)  # bad input fails here, before any process starts
+        # torchrun passes SIGTERM on to the workers and waits this long before killing them (torch >= 2.9
+        # reads it; older torch waits 30 s): rank 0 must have time to drain.
+        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(args.drain_timeout) + 15)
+        return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
-    engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context)
+    runner = ModelRunner
+    if args.tp > 1:
+        from hardy.infer.tensor_parallel import shard_model
+        from hardy.serve.tensor_parallel import LeaderRunner, follow
+
+        if shard_model(loaded.model, args.tp).rank != 0:  # a follower: no server, only forward passes
+            sys.stdout = open(os.devnull, "w")
+            follow(loaded.model, args.max_batch, context_length(loaded.model, args.context))
+            return 0
+        runner = LeaderRunner
+    engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
+                    runner=runner)
     try:
         server = Server((args.host, args.port), engine, loaded.tokenizer, args.name or args.model, args.max_tokens)
     except OSError as e:

@@ -14,6 +14,9 @@ from hardy.errors import HardyError
 
 def relaunch_under_torchrun(nproc: int, argv: list[str], threads: int | None) -> int:
     """Run `python -m hardy ARGV` on `nproc` local processes (torchrun, no restarts)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     total = threads or os.cpu_count() or 1
@@ -22,6 +25,11 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], threads: int | None) ->
                                          "--module", "hardy", *argv])
     try:
         run(args)
+    except SignalException as e:  # torchrun passed the signal on to the workers and waited for them
+        if e.sigval in (signal.SIGTERM, signal.SIGINT):
+            return 0
+        print(f"hardy: error: stopped by {e.sigval.name}", file=sys.stderr)
+        return 1
     except Exception as e:  # torchrun's ChildFailedError: the workers printed their own errors
         print(f"hardy: error: tensor-parallel workers failed ({type(e).__name__})", file=sys.stderr)
         return 1

@@ -102,7 +102,8 @@ class Handler(BaseHTTPRequestHandler):
                 engine = self.server.engine
                 self._json(200 if engine.accepting else 503, {
                     "status": "ok" if engine.accepting else "draining", "running": engine.busy,
-                    "largest_batch": engine.largest_batch, "decode_steps": engine.steps})
+                    "largest_batch": engine.largest_batch, "decode_steps": engine.steps,
+                    "processes": engine.runner.processes})
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
                                                               "created": self.server.started, "owned_by": "hardy"}]})

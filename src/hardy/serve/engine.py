@@ -46,11 +46,50 @@ class _Slot:
     last: int  # the token to feed next
 
 
-class Engine:
-    def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None):
+def context_length(model, requested: int | None) -> int:
+    """KV cache length per request: as asked, at most (and by default) the model's own."""
+    return min(requested or model.cfg.max_seq_len, model.cfg.max_seq_len)
+
+
+class ModelRunner:
+    """The forward passes the engine makes, over a static KV cache of `max_batch` rows. Under
+    `serve --tp` a subclass announces each pass to the other ranks first (hardy.serve.tensor_parallel)."""
+
+    processes = 1  # how many processes each forward pass runs on
+
+    def __init__(self, model, max_batch: int, context: int):
         self.model = model
+        model.setup_kv_cache(max_batch, context)
+        self._caches = [layer.attention.kv_cache for layer in model.layers]
+
+    @torch.inference_mode()
+    def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
+        """Fill cache row `row` with `prompt` [1, L]; the logits after its last token [V]."""
+        for layer, cache in zip(self.model.layers, self._caches):
+            layer.attention.kv_cache = cache.rows(row, row + 1)
+        try:
+            return self.model.output(self.model.hidden_states(prompt, 0)[0, -1])
+        finally:
+            for layer, cache in zip(self.model.layers, self._caches):
+                layer.attention.kv_cache = cache
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row (tokens [n, 1] at positions [n]) for cache rows 0..n-1; logits [n, V]."""
+        return self.model.output(self.model.hidden_states(tokens, positions)[:, -1])
+
+    def idle(self) -> None:
+        """Called while nothing runs."""
+
+    def finish(self) -> None:
+        self.model.clear_kv_cache()
+
+
+class Engine:
+    def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
+                 runner: type[ModelRunner] = ModelRunner):
         self.max_batch = max_batch
-        self.context = min(context or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.context = context_length(model, context)
         self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
         self.slots: list[_Slot | None] = [None] * max_batch
         self.accepting = True
@@ -62,8 +101,7 @@ class Engine:
         # be between the two and get lost.
         self._admission = threading.Lock()
         self._drained = threading.Event()
-        model.setup_kv_cache(max_batch, self.context)
-        self._caches = [layer.attention.kv_cache for layer in model.layers]
+        self.runner = runner(model, max_batch, self.context)
         self._thread = threading.Thread(target=self._loop, name="hardy-engine", daemon=True)
         self._thread.start()
 
@@ -92,8 +130,7 @@ class Engine:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
-        self.model.clear_kv_cache()
+        self._thread.join(timeout=5)  # the engine thread finishes the runner (all forwards stay on it)
 
     # ------------------------------------------------------------------ the engine thread
     def _emit(self, slot_index: int, token: int) -> bool:
@@ -110,22 +147,13 @@ class Engine:
             return True
         return False
 
-    @torch.inference_mode()
     def _prefill(self, slot_index: int, req: Request) -> None:
-        for layer, cache in zip(self.model.layers, self._caches):
-            layer.attention.kv_cache = cache.rows(slot_index, slot_index + 1)
-        try:
-            hidden = self.model.hidden_states(torch.tensor([req.prompt]), 0)[0, -1]
-            logits = self.model.output(hidden)
-        finally:
-            for layer, cache in zip(self.model.layers, self._caches):
-                layer.attention.kv_cache = cache
+        logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]))
         self.slots[slot_index] = _Slot(req, position=len(req.prompt), last=0)
         token = sample(logits, req.sampling, req.generator)
         if not self._emit(slot_index, token):
             self.slots[slot_index].last = token
 
-    @torch.inference_mode()
     def _decode_step(self) -> None:
         active = [i for i, s in enumerate(self.slots) if s is not None]
         n = max(active) + 1  # rows 0 .. n-1 (an empty row in between computes and is ignored)
@@ -133,7 +161,7 @@ class Engine:
         positions = torch.zeros(n, dtype=torch.long)
         for i in active:
             tokens[i, 0], positions[i] = self.slots[i].last, self.slots[i].position
-        logits = self.model.output(self.model.hidden_states(tokens, positions)[:, -1])
+        logits = self.runner.decode(tokens, positions)
         self.largest_batch = max(self.largest_batch, len(active))
         self.steps += 1
         for i in active:
@@ -144,6 +172,12 @@ class Engine:
                 slot.last = token
 
     def _loop(self) -> None:
+        try:
+            self._serve_loop()
+        finally:
+            self.runner.finish()
+
+    def _serve_loop(self) -> None:
         while not self._stop.is_set():
             if not self.accepting and self.waiting.empty() and not any(self.slots):
                 self._drained.set()  # nothing queued, nothing held, and nothing more can arrive
@@ -157,6 +191,7 @@ class Engine:
                     try:
                         req = self.waiting.get(timeout=0.05)
                     except queue.Empty:
+                        self.runner.idle()
                         continue
                     self._prefill(0, req)
             except Exception as e:  # a failing forward must not strand clients: fail what is running

@@ -1,0 +1,77 @@
+"""`hardy serve --tp N`: rank 0 runs the HTTP server and the engine; every other rank holds its
+slice of the model and repeats each forward pass rank 0 makes, told what to run by a broadcast.
+
+Only forward passes cross processes: before each one, rank 0's engine thread broadcasts a header
+(what, which cache row / how many rows, prompt length) and then the token ids, so all ranks enter
+the same collectives in the same order. Logits come out replicated and only rank 0 samples. While
+idle, rank 0 sends a keep-alive now and then, so the followers' waiting broadcast never reaches
+the process group's timeout. The followers ignore SIGTERM/SIGINT: rank 0 drains and then tells
+them to stop.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from hardy.serve.engine import ModelRunner
+
+PREFILL, DECODE, KEEPALIVE, STOP = range(4)
+KEEPALIVE_S = 10.0  # far below the process group's timeout (hardy.parallel.distributed: 600 s)
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0: announce, then run the pass like a single process would."""
+
+    def __init__(self, model, max_batch: int, context: int):
+        super().__init__(model, max_batch, context)
+        self.processes = dist.get_world_size()
+        self._last = time.monotonic()
+
+    def _announce(self, op: int, a: int = 0, b: int = 0, payload: torch.Tensor | None = None) -> None:
+        dist.broadcast(torch.tensor([op, a, b], dtype=torch.long), src=0)
+        if payload is not None:
+            dist.broadcast(payload.contiguous(), src=0)
+        self._last = time.monotonic()
+
+    def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
+        self._announce(PREFILL, row, prompt.shape[1], prompt)
+        return super().prefill(row, prompt)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self._announce(DECODE, tokens.shape[0], 0, torch.cat([tokens[:, 0], positions]))
+        return super().decode(tokens, positions)
+
+    def idle(self) -> None:
+        if time.monotonic() - self._last > KEEPALIVE_S:
+            self._announce(KEEPALIVE)
+
+    def finish(self) -> None:
+        self._announce(STOP)
+        super().finish()
+
+
+def follow(model, max_batch: int, context: int) -> None:
+    """Ranks 1..N-1: repeat rank 0's forward passes until it says stop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when serving ends
+    runner = ModelRunner(model, max_batch, context)
+    try:
+        while True:
+            header = torch.empty(3, dtype=torch.long)
+            dist.broadcast(header, src=0)
+            op, a, b = header.tolist()
+            if op == PREFILL:
+                prompt = torch.empty(1, b, dtype=torch.long)
+                dist.broadcast(prompt, src=0)
+                runner.prefill(a, prompt)
+            elif op == DECODE:
+                flat = torch.empty(2 * a, dtype=torch.long)
+                dist.broadcast(flat, src=0)
+                runner.decode(flat[:a, None], flat[a:])
+            elif op == STOP:
+                return
+    finally:
+        runner.finish()
