@@ -74,10 +74,15 @@ def main() -> None:
             llm = llama_cpp.Llama(model_path=str(path), n_threads=args.threads, n_ctx=512, verbose=False)
 
             def run_llama(llm=llm):
-                t0 = time.perf_counter()
-                out = llm.create_completion(args.prompt, max_tokens=args.new_tokens, temperature=0.0)
-                n = out["usage"]["completion_tokens"]
-                return n / (time.perf_counter() - t0)
+                # Decode only, like hardy's decode_tps: time from the first new token to the last;
+                # every token after the first is one llama_decode of one token (no stop at EOS).
+                llm.reset()
+                stamps = []
+                for _ in llm.generate(llm.tokenize(args.prompt.encode(), add_bos=False), temp=0.0, reset=True):
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == args.new_tokens:
+                        break
+                return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
             runners[f"llama.cpp {qtype} (hardy export)"] = run_llama
 

@@ -92,7 +92,7 @@ def test_clean_text_is_kept(planted):
     assert report.chars_kept >= 0.9 * report.chars_in
     index = load_index(planted["root"])
     assert index["splits"]["train"]["tokens"] > 50_000 and index["splits"]["val"]["tokens"] > 0
-    assert json.loads((planted["root"] / "tokenizer_config.json").read_text())["hardy_pre_tokenizer"] == "gpt2"
+    assert json.loads((planted["root"] / "tokenizer_config.json").read_text())["hardy_pre_tokenizer"] == "gpt-2"
 
 
 def test_filters_one_by_one():

@@ -47,7 +47,7 @@ def test_f32_export_imports_back_exactly(mini_run, tmp_path):
         assert torch.equal(state[name], tensor), name
     text = (mini_run / "heldout.txt").read_text()[:2000]
     assert tokenizer.encode(text) == original.tokenizer.encode(text)
-    assert fields["tokenizer.ggml.pre"] == "gpt2" and fields["tokenizer.ggml.model"] == "gpt2"
+    assert fields["tokenizer.ggml.pre"] == "gpt-2" and fields["tokenizer.ggml.model"] == "gpt2"
     assert len(fields["tokenizer.ggml.tokens"]) == cfg.vocab_size and fields["tokenizer.ggml.merges"]
     again = load_model(str(tmp_path / "m.gguf"))
     from hardy.infer.generate import SamplingConfig, generate

@@ -96,7 +96,7 @@ EOT = "<|endoftext|>"
 
 
 def train_bpe(docs: list[str], vocab_size: int):
-    """Byte-level BPE with GPT-2's pre-tokenizer, so GGUF export can declare pre = "gpt2"."""
+    """Byte-level BPE with GPT-2's pre-tokenizer, so GGUF export can declare pre = "gpt-2" (llama.cpp's name for it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from hardy.formats.tokenizer import HardyTokenizer
@@ -108,7 +108,7 @@ def train_bpe(docs: list[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(docs, trainer=trainer)
     eot = tok.token_to_id(EOT)
-    return HardyTokenizer(backend=tok, bos_id=eot, eos_id=eot, add_bos=False, pre="gpt2")
+    return HardyTokenizer(backend=tok, bos_id=eot, eos_id=eot, add_bos=False, pre="gpt-2")
 
 
 def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, clean: CleanConfig = CleanConfig(),

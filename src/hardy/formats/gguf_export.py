@@ -90,7 +90,8 @@ def _tokenizer_metadata(writer, tokenizer) -> None:
     special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
     types = [3 if t in special else 1 for t in tokens]  # 3 = control, 1 = normal
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer.pre or "gpt2")
+    # llama.cpp calls GPT-2's splitting "gpt-2" and refuses "gpt2" (runs before this fix stored that)
+    writer.add_tokenizer_pre("gpt-2" if tokenizer.pre in (None, "gpt2") else tokenizer.pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

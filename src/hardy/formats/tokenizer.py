@@ -46,7 +46,7 @@ def _llama3():
 
 # llama.cpp pre-tokenizer names -> the equivalent `tokenizers` pre-tokenizer.
 PRE_TOKENIZERS = {
-    "gpt2": _byte_level, "default": _byte_level, "smollm": _smollm,
+    "gpt-2": _byte_level, "gpt2": _byte_level, "default": _byte_level, "smollm": _smollm,
     "llama-bpe": _llama3, "llama3": _llama3, "llama-v3": _llama3,
 }
 

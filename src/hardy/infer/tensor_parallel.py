@@ -1,7 +1,8 @@
 """Tensor-parallel inference on N processes (`hardy generate --tp N`), the way multi-socket CPU
 servers run models one socket cannot: torchrun starts one process per socket/NUMA node, each holds a
-1/N slice of every attention and MLP matrix (DTensor column/row sharding on gloo, the same plan the
-trainer uses), and each layer ends in one all-reduce. Logits come out replicated, so every rank
+1/N slice of every attention and MLP matrix (the trainer's column/row plan: DTensor for float
+weights, sliced codes and scales for quantized ones), and each attention and MLP ends in one
+all-reduce. Logits come out replicated, so every rank
 samples the same token; rank 0 prints.
 """
 from __future__ import annotations
@@ -37,19 +38,30 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], threads: int | None) ->
 
 
 def check_tp(spec: str, cfg, tp: int) -> None:
+    """Refuse, before any process starts, a degree the model cannot be split into."""
+    import json
+    import re
     from pathlib import Path
 
-    from hardy.compress.store import is_compressed_dir
+    from hardy.compress.quant import QuantSpec
+    from hardy.compress.store import MANIFEST, is_compressed_dir
+    from hardy.parallel.parallelize import TP_PLAN, check_tp_degree
+    from hardy.parallel.quantized_tp import check_split
 
+    check_tp_degree(cfg, tp)
     if is_compressed_dir(Path(spec)):
-        raise HardyError("tensor parallelism runs float models; a compressed model cannot be sharded yet")
-    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
-        if n % tp:
-            raise HardyError(f"--tp {tp} does not divide the model's {what} = {n}")
+        try:
+            tensors = json.loads((Path(spec) / MANIFEST).read_text())["tensors"]
+            for name, entry in tensors.items():
+                kind = TP_PLAN.get(re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight"))
+                if kind:
+                    check_split(name, QuantSpec.from_dict(entry), tuple(entry["shape"]), kind, tp)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HardyError(f"{spec}: unreadable {MANIFEST} ({e})") from None
 
 
 def shard_model(model, tp: int):
-    """Shard a loaded (float) model over the torchrun world; returns the distributed environment."""
+    """Shard a loaded (float or quantized) model over the torchrun world; returns the distributed environment."""
     import torch
 
     from hardy.parallel.distributed import init_distributed
@@ -58,10 +70,6 @@ def shard_model(model, tp: int):
     env = init_distributed("gloo")
     if env.world_size != tp:
         raise HardyError(f"--tp {tp} but {env.world_size} processes were started")
-    from hardy.compress.qlinear import quantized_modules
-
-    if quantized_modules(model):
-        raise HardyError("tensor parallelism runs float models (fp32/bf16); quantized layers cannot be sharded yet")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))

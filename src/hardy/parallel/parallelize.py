@@ -50,22 +50,38 @@ def build_mesh(dims: ParallelDims, device_type: str):
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def apply_tp(model: nn.Module, mesh) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+# Megatron-style: q/k/v and gate/up split by output rows (heads / hidden units), the matrices after
+# them by input columns, so each block needs one all-reduce per attention and per MLP.
+TP_PLAN = {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
+           "attention.wo": "rowwise", "feed_forward.w1": "colwise", "feed_forward.w3": "colwise",
+           "feed_forward.w2": "rowwise"}
 
-    plan = {
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }
-    cfg = model.cfg
-    tp = mesh.size()
+
+def check_tp_degree(cfg, tp: int) -> None:
     for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim)):
         if n % tp:
-            raise HardyError(f"tensor parallel degree {tp} does not divide model {what} = {n}")
+            raise HardyError(f"tensor parallel degree {tp} does not divide the model's {what} = {n}")
+
+
+def apply_tp(model: nn.Module, mesh) -> None:
+    """Shard every block's attention and MLP over the mesh: float linears as DTensors, quantized
+    ones (hardy.compress, inference only) by slicing their stored codes (hardy.parallel.quantized_tp)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from hardy.compress.qlinear import QuantLinear
+    from hardy.parallel.quantized_tp import shard_quantized_linear
+
+    check_tp_degree(model.cfg, mesh.size())
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.layers:
-        parallelize_module(block, mesh, plan)
+        plan = {}
+        for name, kind in TP_PLAN.items():
+            if isinstance(block.get_submodule(name), QuantLinear):
+                shard_quantized_linear(block, name, kind, mesh)
+            else:
+                plan[name] = styles[kind]()
+        if plan:
+            parallelize_module(block, mesh, plan)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:

@@ -1,0 +1,67 @@
+"""Tensor parallelism for quantized layers (inference): DTensor shards float parameters, but a
+`QuantLinear` holds packed codes and per-group scales, so it is sharded by slicing what it stores —
+output rows for the column-parallel matrices (no communication), input columns for the row-parallel
+ones (whole quantization groups per process, then one all-reduce of the partial outputs). Each
+process then runs its slice through the same fused kernels as a single process would."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hardy.compress.qlinear import QuantLinear
+from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.errors import HardyError
+
+
+class RowParallelQuantLinear(nn.Module):
+    """This process's input-column slice of a quantized matrix; the partial outputs are summed."""
+
+    def __init__(self, local: QuantLinear, group):
+        super().__init__()
+        self.local = local
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def check_split(name: str, spec: QuantSpec, shape: tuple[int, int], kind: str, parts: int) -> None:
+    """A quantized matrix splits into `parts` only along whole rows, or whole quantization groups."""
+    out, cols = shape
+    if kind == "colwise":
+        if out % parts:
+            raise HardyError(f"{name}: {out} rows do not split into {parts} processes")
+        return
+    width = spec.group_width(cols)
+    if cols % parts or not (spec.groups(cols) == 1 or (cols // parts) % width == 0):
+        raise HardyError(f"--tp {parts}: {name} has {cols} columns in quantization groups of {width}, which do "
+                         f"not split into {parts} processes along whole groups")
+
+
+def slice_quantized(qt: QuantTensor, kind: str, rank: int, parts: int, name: str) -> QuantTensor:
+    check_split(name, qt.spec, qt.shape, kind, parts)
+    out, cols = qt.shape
+    if kind == "colwise":
+        rows = slice(rank * out // parts, (rank + 1) * out // parts)
+        return QuantTensor(qt.codes[rows], qt.scale[rows], None if qt.mins is None else qt.mins[rows], qt.spec)
+    width, local = qt.spec.group_width(cols), cols // parts
+    c = slice(rank * local, (rank + 1) * local)
+    # one scale per row (per-channel, or a group as wide as the row): every column slice keeps it
+    g = slice(None) if qt.spec.groups(cols) == 1 else slice(rank * local // width, (rank + 1) * local // width)
+    return QuantTensor(qt.codes[:, c], qt.scale[:, g], None if qt.mins is None else qt.mins[:, g], qt.spec)
+
+
+def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> None:
+    """Replace `block.<name>` (a QuantLinear) by this rank's slice of it."""
+    from hardy.compress.kernels import prepare
+
+    parent_name, _, child = name.rpartition(".")
+    parent = block.get_submodule(parent_name)
+    full: QuantLinear = getattr(parent, child)
+    local = QuantLinear(slice_quantized(full.quant_tensor(), kind, mesh.get_local_rank(), mesh.size(), name))
+    if full.kernel is not None:
+        prepare(local)  # the fused decode kernel, for the slice
+    setattr(parent, child, local if kind == "colwise" else RowParallelQuantLinear(local, mesh.get_group()))

@@ -1,0 +1,78 @@
+"""hardy's GGUF exports in llama.cpp itself (runs where `llama-cpp-python` is installed; it compiles
+llama.cpp from source, so `make test` does not install it): the file loads, llama.cpp tokenizes text
+as hardy does (hardy's BPE exports a `tokenizer.ggml.pre` llama.cpp accepts), F32/F16 exports give
+hardy's greedy tokens, and quantized exports agree with hardy's quantized model on >= 95% of
+teacher-forced top-1 predictions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_hardy
+from hardy.formats.load import load_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+N_GREEDY = 24
+N_FORCED = 256
+
+
+def _llama(path, n_ctx=512):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=2, logits_all=True, verbose=False)
+
+
+def _export(model_dir, out, qtype) -> None:
+    proc = run_hardy("export", "--model", str(model_dir), "--format", "gguf", "--type", qtype, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _greedy(llm, prompt: list[int], n: int) -> list[int]:
+    out = []
+    for token in llm.generate(prompt, temp=0.0, reset=True):
+        out.append(int(token))
+        if len(out) == n:
+            return out
+    return out
+
+
+@pytest.fixture(scope="module")
+def text(mini_run) -> str:
+    return (mini_run / "heldout.txt").read_text()[:6000]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16"])
+def test_float_exports_give_hardys_greedy_tokens(mini_run, tmp_path, text, qtype):
+    from hardy.infer.generate import SamplingConfig, generate
+
+    hardy_model = load_model(str(mini_run / "run"))
+    _export(mini_run / "run", tmp_path / "m.gguf", qtype)
+    llm = _llama(tmp_path / "m.gguf")
+    sample = text[:1500]
+    assert llm.tokenize(sample.encode(), add_bos=False, special=False) == hardy_model.tokenizer.encode(sample)
+    for start in ("KING HENRY:", "First Citizen:\nWe", "ROMEO:\nO, she"):
+        prompt = hardy_model.tokenizer.encode(start)
+        ours = generate(hardy_model.model, prompt, SamplingConfig(max_new_tokens=N_GREEDY)).tokens
+        assert _greedy(llm, prompt, N_GREEDY) == ours, (qtype, start)
+
+
+@pytest.mark.parametrize("bits,qtype", [("8", "Q8_0"), ("4", "Q4_1")])
+def test_quantized_exports_agree_with_hardy_teacher_forced(mini_run, tmp_path, text, bits, qtype):
+    """hardy int8 g32 / int4 g32 repack losslessly into Q8_0 / Q4_1: the two runtimes then differ
+    only in arithmetic (llama.cpp also quantizes activations to 8 bits)."""
+    src = tmp_path / "q"
+    proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(src), "--quant", "rtn", "--bits", bits,
+                     "--group-size", "32", "--quantize-embeddings", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _export(src, tmp_path / "q.gguf", qtype)
+    quantized = load_model(str(src))
+    tokens = quantized.tokenizer.encode(text)[:N_FORCED]
+    assert len(tokens) == N_FORCED
+    with torch.inference_mode():
+        ours = quantized.model(torch.tensor([tokens]))[0].argmax(-1).numpy()
+    llm = _llama(tmp_path / "q.gguf")
+    llm.eval(tokens)
+    theirs = np.asarray(llm.scores[:N_FORCED]).argmax(-1)
+    agreement = float((ours == theirs).mean())
+    print(f"{qtype}: top-1 agreement {agreement:.4f}")
+    assert agreement >= 0.95, f"{qtype}: top-1 agreement {agreement:.3f}"
