@@ -19,19 +19,30 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "qgemv.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "qgemv.cpp", CSRC / "decode_layer.cpp"]
 _module = None
 _tried = False
 
 
-def _isa_flags() -> list[str]:
-    if os.environ.get("HARDY_KERNEL_ISA") == "generic":  # force the portable build (tests, odd CPUs)
-        return []
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+VNNI = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # 256-bit dpbusd
+
+
+def _isa() -> tuple[str, list[str]]:
+    """The widest build this CPU runs (HARDY_KERNEL_ISA=generic|avx2 forces a narrower one)."""
+    forced = os.environ.get("HARDY_KERNEL_ISA")
+    if forced == "generic":  # the portable build (tests, odd CPUs)
+        return "generic", []
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         flags = set()
-    return ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return "generic", []
+    if forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "avx512vnni", VNNI
+    return "avx2", AVX2
 
 
 def build_dir() -> Path:
@@ -49,15 +60,16 @@ def load(verbose: bool = False):
         return None
     from torch.utils.cpp_extension import load as load_extension
 
-    flags = _isa_flags()
-    tag = "avx2" if flags else "generic"
+    tag, flags = _isa()
     version = torch.__version__.split("+")[0].replace(".", "_")
     name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        _module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *flags],
-                                 build_directory=str(directory), verbose=verbose)
+        # -fopenmp: without it at::parallel_for compiles to a serial loop (measured: one core busy)
+        _module = load_extension(name=name, sources=[str(p) for p in SOURCES],
+                                 extra_cflags=["-O3", "-fopenmp", *flags, *os.environ.get("HARDY_KERNEL_CFLAGS", "").split()],
+                                 extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
     except Exception as e:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
         log.warning("quantized decode kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0][:200])
         _module = None
@@ -112,4 +124,5 @@ if __name__ == "__main__":
     if m is None:
         print("hardy: kernels could not be built; quantized layers will use the PyTorch path", file=sys.stderr)
         sys.exit(1)
-    print(f"hardy: quantized decode kernels ready ({'AVX2' if m.has_avx2() else 'portable scalar'}) in {build_dir()}")
+    isa = "AVX-512 VNNI" if m.has_vnni() else "AVX2" if m.has_avx2() else "portable scalar"
+    print(f"hardy: quantized decode kernels ready ({isa}) in {build_dir()}")

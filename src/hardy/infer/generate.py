@@ -66,7 +66,12 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
 
 
 def next_logits(model, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-    """Logits of the last position only: the LM head (49k x 576 for SmolLM2) runs on one row."""
+    """Logits of the last position only: the LM head (49k x 576 for SmolLM2) runs on one row.
+    A cached single-token step goes through `decode_hidden` (the fused blocks where they apply)."""
+    if tokens.shape[1] == 1 and model.layers[0].attention.kv_cache is not None:
+        from hardy.infer.fused_decode import decode_hidden
+
+        return model.output(decode_hidden(model, tokens, start_pos)[0, -1])
     return model.output(model.hidden_states(tokens, start_pos)[0, -1])
 
 

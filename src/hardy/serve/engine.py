@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.generate import SamplingConfig, sample
 
 
@@ -76,7 +77,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens [n, 1] at positions [n]) for cache rows 0..n-1; logits [n, V]."""
-        return self.model.output(self.model.hidden_states(tokens, positions)[:, -1])
+        return self.model.output(decode_hidden(self.model, tokens, positions)[:, -1])
 
     def idle(self) -> None:
         """Called while nothing runs."""

@@ -1,0 +1,124 @@
+// One whole transformer block for decoding (one new token per row) in a single call: RMSNorm,
+// the seven quantized products (qgemv.cpp), rotary embedding, the KV-cache write, causal attention
+// over each row's own cached positions, SwiGLU and both residuals. The same arithmetic as the
+// module path (hardy.model.llama with QuantLinear layers) without ~25 Python-level operator calls
+// per block, which at SmolLM2's size cost more than the weights' own reading (docs/quantization.md).
+#include "qgemv.h"
+#include <ATen/Parallel.h>
+#include <cstring>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// y = x / sqrt(mean(x^2) + eps) * w, rows of [B, D]
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const int64_t B = x.size(0), D = x.size(1);
+  auto y = torch::empty_like(x);
+  const float* X = x.data_ptr<float>();
+  const float* W = w.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < D; ++i) ss += (double)X[b * D + i] * X[b * D + i];
+    const float r = 1.f / std::sqrt((float)(ss / D) + (float)eps);
+    for (int64_t i = 0; i < D; ++i) Y[b * D + i] = X[b * D + i] * r * W[i];
+  }
+  return y;
+}
+
+// Rotate-half rotary embedding in place on [B, heads * hd] at each row's position.
+void rope(torch::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const float* cos, const float* sin) {
+  const int64_t B = t.size(0), half = hd / 2;
+  float* T = t.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cos + pos[b] * hd;
+    const float* s = sin + pos[b] * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = T + b * heads * hd + h * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], z = v[i + half];
+        v[i] = a * c[i] - z * s[i];
+        v[i + half] = z * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+torch::Tensor linear(const std::vector<torch::Tensor>& w, int which, int64_t group, const torch::Tensor& x) {
+  const auto& qw = w[3 * which];
+  if (qw.scalar_type() == torch::kUInt8) return q4_gemv(x, qw, w[3 * which + 1], w[3 * which + 2], group);
+  return q8_gemv(x, qw, w[3 * which + 1], group);
+}
+
+}  // namespace
+
+torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor attn_norm, torch::Tensor ffn_norm, double eps, std::vector<torch::Tensor> w,
+                           std::vector<int64_t> groups, torch::Tensor kc, torch::Tensor vc, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [B, D]");
+  TORCH_CHECK(w.size() == 21 && groups.size() == 7, "seven quantized linears");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32, "float32 KV cache");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.size(0) == x.size(0), "one position per row");
+  const int64_t B = x.size(0), hd = head_dim, S = kc.size(2), KVH = kc.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < S && pos[b] < cos.size(0), "position outside the cache");
+  TORCH_CHECK(B <= kc.size(0), "more rows than the cache holds");
+
+  auto h = rms_norm(x, attn_norm, eps);
+  auto q = linear(w, 0, groups[0], h), k = linear(w, 1, groups[1], h), v = linear(w, 2, groups[2], h);
+  const int64_t H = q.size(1) / hd, group_heads = H / KVH;
+  TORCH_CHECK(k.size(1) == KVH * hd && H % KVH == 0, "head counts do not match the cache");
+  rope(q, H, hd, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+  rope(k, KVH, hd, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+  float* KC = kc.data_ptr<float>();
+  float* VC = vc.data_ptr<float>();
+  const float* K = k.data_ptr<float>();
+  const float* V = v.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < KVH; ++g) {
+      const int64_t at = ((b * KVH + g) * S + pos[b]) * hd;
+      std::memcpy(KC + at, K + (b * KVH + g) * hd, hd * sizeof(float));
+      std::memcpy(VC + at, V + (b * KVH + g) * hd, hd * sizeof(float));
+    }
+
+  // attention: row b, head hh attends to its cached positions 0 .. pos[b]
+  auto attn = torch::empty({B, H * hd}, torch::kFloat32);
+  const float* Q = q.data_ptr<float>();
+  float* A = attn.data_ptr<float>();
+  const float scale = 1.f / std::sqrt((float)hd);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, hh = i % H, g = hh / group_heads, n = pos[b] + 1;
+      const float* qv = Q + (b * H + hh) * hd;
+      const float* keys = KC + (b * KVH + g) * S * hd;
+      const float* vals = VC + (b * KVH + g) * S * hd;
+      p.resize(n);
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < n; ++t) {
+        float dot = 0.f;
+        for (int64_t j = 0; j < hd; ++j) dot += qv[j] * keys[t * hd + j];
+        p[t] = dot * scale;
+        mx = std::max(mx, p[t]);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < n; ++t) { p[t] = std::exp(p[t] - mx); total += p[t]; }
+      float* out = A + (b * H + hh) * hd;
+      for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        const float pt = p[t] / total;
+        for (int64_t j = 0; j < hd; ++j) out[j] += pt * vals[t * hd + j];
+      }
+    }
+  });
+
+  auto x1 = x + linear(w, 3, groups[3], attn);
+  auto h2 = rms_norm(x1, ffn_norm, eps);
+  auto gate = linear(w, 4, groups[4], h2), up = linear(w, 5, groups[5], h2);
+  float* G = gate.data_ptr<float>();
+  const float* U = up.data_ptr<float>();
+  for (int64_t i = 0, n = gate.numel(); i < n; ++i) G[i] = G[i] / (1.f + std::exp(-G[i])) * U[i];
+  x1 += linear(w, 6, groups[6], gate);
+  return x1;
+}
