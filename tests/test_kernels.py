@@ -46,23 +46,30 @@ def test_exact_on_grid_activations_and_close_otherwise(ext, spec):
     assert kernel(x[None]).shape == (1, 4, 96)
 
 
-def test_portable_build_computes_the_same(ext, tmp_path):
-    """The scalar fallback (built without AVX2) agrees with the vector build."""
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
+    """The scalar fallback (no vector ISA) and, on a VNNI machine, the AVX2 build (maddubs instead of
+    vpdpbusd) agree with the build in use, for groups of 32, wider groups and per-channel scales."""
+    if isa == "avx2" and not ext.has_vnni():
+        pytest.skip("the build in use is the AVX2 one (or narrower)")
+    check = "not m.has_avx2()" if isa == "generic" else "m.has_avx2() and not m.has_vnni()"
+    specs = [(4, 32), (4, 128), (8, 32), (8, 0)]
     script = (
         "import torch, json; from hardy.compress import kernels; from hardy.compress.qlinear import QuantLinear;"
-        "from hardy.compress.quant import QuantSpec, rtn; m = kernels.load(); assert not m.has_avx2();"
+        f"from hardy.compress.quant import QuantSpec, rtn; m = kernels.load(); assert {check};"
         "g = torch.Generator().manual_seed(0); x = torch.randn(2, 576, generator=g); out = {};"
-        "[out.__setitem__(str(b), kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
-        " QuantSpec(b, 32))), m)(x).tolist()) for b in (4, 8)]; print(json.dumps(out))")
-    env = dict(os.environ, HARDY_KERNEL_ISA="generic", HARDY_CACHE=str(tmp_path))
+        "[out.__setitem__(f'{b} {s}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
+        f" QuantSpec(b, s))), m)(x).tolist()) for b, s in {specs!r}]; print(json.dumps(out))")
+    env = dict(os.environ, HARDY_KERNEL_ISA=isa, HARDY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    generic = json.loads(proc.stdout.strip().splitlines()[-1])
+    narrow = json.loads(proc.stdout.strip().splitlines()[-1])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 576, generator=g)
-    for bits in (4, 8):
-        layer = QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05, QuantSpec(bits, 32)))
-        assert torch.allclose(torch.tensor(generic[str(bits)]), kernels.make_kernel(layer, ext)(x), rtol=1e-5, atol=1e-5)
+    for bits, size in specs:
+        layer = QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05, QuantSpec(bits, size)))
+        ours = kernels.make_kernel(layer, ext)(x)
+        assert torch.allclose(torch.tensor(narrow[f"{bits} {size}"]), ours, rtol=1e-5, atol=1e-5), (bits, size)
 
 
 def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, tmp_path, monkeypatch):

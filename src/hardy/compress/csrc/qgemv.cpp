@@ -120,6 +120,17 @@ inline void tile(int64_t o, int64_t t, int64_t K, int64_t N, int64_t G, int64_t 
 #ifdef HARDY_AVX2
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  if (bpg == 1) {  // groups of 32 (GGUF Q4_1 / Q8_0): one scale product per block, no partial sums
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + t * K + b * QK));
+      const __m256i ax = Signed ? _mm256_sign_epi8(xv, xv) : xv;
+      const float d = DX[t * nb + b];
+      for (int r = 0; r < R; ++r) {
+        const __m256i dot = Signed ? dot_block(ax, _mm256_sign_epi8(codes(o + r, b), xv)) : dot_block(codes(o + r, b), xv);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * half_to_float(S[(o + r) * G + b])), acc[r]);
+      }
+    }
+  } else
   for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
     const int64_t b1 = std::min(nb, b0 + bpg);
     __m256 part[R];
@@ -231,10 +242,7 @@ torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor sc
     }
   };
 #endif
-#ifndef HARDY_Q4_TILE
-#define HARDY_Q4_TILE 2
-#endif
-  gemv_rows<HARDY_Q4_TILE, false>(T, K, N, G, bpg, S, in, codes, min_term, true, y.data_ptr<float>());
+  gemv_rows<2, false>(T, K, N, G, bpg, S, in, codes, min_term, true, y.data_ptr<float>());
   auto shape = x_in.sizes().vec();
   shape.back() = N;
   return y.view(shape);
