@@ -45,10 +45,11 @@ void rope(torch::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const
   }
 }
 
-torch::Tensor linear(const std::vector<torch::Tensor>& w, int which, int64_t group, const torch::Tensor& x) {
-  const auto& qw = w[3 * which];
-  if (qw.scalar_type() == torch::kUInt8) return q4_gemv(x, qw, w[3 * which + 1], w[3 * which + 2], group);
-  return q8_gemv(x, qw, w[3 * which + 1], group);
+// The linears `first .. first+count-1` of the block applied to the same x (one quantization of x).
+std::vector<torch::Tensor> linears(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& groups, int first,
+                                   int count, const torch::Tensor& x) {
+  return qgemv_many(x, std::vector<torch::Tensor>(w.begin() + 3 * first, w.begin() + 3 * (first + count)),
+                    std::vector<int64_t>(groups.begin() + first, groups.begin() + first + count));
 }
 
 }  // namespace
@@ -66,7 +67,8 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tens
   TORCH_CHECK(B <= kc.size(0), "more rows than the cache holds");
 
   auto h = rms_norm(x, attn_norm, eps);
-  auto q = linear(w, 0, groups[0], h), k = linear(w, 1, groups[1], h), v = linear(w, 2, groups[2], h);
+  auto qkv = linears(w, groups, 0, 3, h);
+  auto &q = qkv[0], &k = qkv[1], &v = qkv[2];
   const int64_t H = q.size(1) / hd, group_heads = H / KVH;
   TORCH_CHECK(k.size(1) == KVH * hd && H % KVH == 0, "head counts do not match the cache");
   rope(q, H, hd, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -113,12 +115,13 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tens
     }
   });
 
-  auto x1 = x + linear(w, 3, groups[3], attn);
+  auto x1 = x + linears(w, groups, 3, 1, attn)[0];
   auto h2 = rms_norm(x1, ffn_norm, eps);
-  auto gate = linear(w, 4, groups[4], h2), up = linear(w, 5, groups[5], h2);
+  auto gate_up = linears(w, groups, 4, 2, h2);
+  auto &gate = gate_up[0], &up = gate_up[1];
   float* G = gate.data_ptr<float>();
   const float* U = up.data_ptr<float>();
   for (int64_t i = 0, n = gate.numel(); i < n; ++i) G[i] = G[i] / (1.f + std::exp(-G[i])) * U[i];
-  x1 += linear(w, 6, groups[6], gate);
+  x1 += linears(w, groups, 6, 1, gate)[0];
   return x1;
 }

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <vector>
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -77,7 +79,6 @@ struct QuantizedInput {
 };
 
 void check_input(const torch::Tensor& x, const torch::Tensor& scales, int64_t rows_k, int64_t group) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [..., K]");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat16, "fp16 scales");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % QK == 0 && rows_k == K && group % QK == 0 && scales.size(1) == (K + group - 1) / group,
@@ -169,13 +170,19 @@ inline void tile(int64_t o, int64_t t, int64_t K, int64_t N, int64_t G, int64_t 
 }
 
 // Rows per tile, measured on SmolLM2 decode (2 threads, Zen 4): int8 is fastest one row at a time,
-// int4 two rows at a time.
+// int4 two rows at a time. A Job computes a range of one matrix's tiles; the closures own copies of
+// everything they read besides the tensors' storage, so a job can outlive the call that made it.
+struct Job {
+  std::function<void(int64_t, int64_t)> run;
+  int64_t tiles;
+};
+
 template <int TILE, bool Signed, typename Codes, typename MinTerm>
-void gemv_rows(int64_t T, int64_t K, int64_t N, int64_t G, int64_t bpg, const uint16_t* S, const QuantizedInput& in,
-               Codes codes, MinTerm min_term, bool asymmetric, float* Y) {
+Job rows_job(int64_t T, int64_t K, int64_t N, int64_t G, int64_t bpg, const uint16_t* S, const QuantizedInput& in,
+             Codes codes, MinTerm min_term, bool asymmetric, float* Y) {
   const int8_t* XQ = in.codes.data_ptr<int8_t>();
   const float* DX = in.scales.data_ptr<float>();
-  at::parallel_for(0, (N + TILE - 1) / TILE, 16 / TILE, [&](int64_t begin, int64_t end) {
+  auto run = [=](int64_t begin, int64_t end) {
     float mins[TILE];
     for (int64_t tile_i = begin; tile_i < end; ++tile_i) {
       const int64_t o = tile_i * TILE;
@@ -191,33 +198,42 @@ void gemv_rows(int64_t T, int64_t K, int64_t N, int64_t G, int64_t bpg, const ui
         }
       }
     }
+  };
+  return Job{run, (N + TILE - 1) / TILE};
+}
+
+// All jobs' tiles in one parallel region: one fork/join for q, k and v (or gate and up) together.
+void run_jobs(const std::vector<Job>& jobs) {
+  int64_t total = 0;
+  for (const auto& j : jobs) total += j.tiles;
+  at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
+    int64_t offset = 0;
+    for (const auto& j : jobs) {
+      const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + j.tiles);
+      if (lo < hi) j.run(lo - offset, hi - offset);
+      offset += j.tiles;
+    }
   });
 }
 
-}  // namespace
-
-// y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group
-torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group) {
-  // any leading shape: [..., K] -> [..., N], computed as [T, K] rows
-  const auto x = x_in.reshape({-1, x_in.size(-1)});
+Job q4_job(const QuantizedInput& in, const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& mins,
+           int64_t group, float* Y) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
   TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.sizes() == scales.sizes(), "fp16 mins like scales");
-  check_input(x, scales, packed.size(1) * 2, group);
-  const int64_t T = x.size(0), K = x.size(1), N = packed.size(0), G = scales.size(1);
-  const QuantizedInput in(x);
-  auto y = torch::empty({T, N}, torch::kFloat32);
+  check_input(in.codes, scales, packed.size(1) * 2, group);
+  const int64_t T = in.codes.size(0), K = in.codes.size(1), N = packed.size(0), G = scales.size(1);
   const uint8_t* W = packed.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const int64_t nb = K / QK, bpg = group / QK;
   // Σ_g min_g · Σ_{k in g} x_k: the grid's offset needs only each group's activation sum.
-  std::vector<float> xg(T * G, 0.f);
+  auto xg = std::make_shared<std::vector<float>>(T * G, 0.f);
   const float* XS = in.sums.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < nb; ++b) xg[t * G + b / bpg] += XS[t * nb + b];
-  auto min_term = [&](int64_t o, int64_t t) {
+    for (int64_t b = 0; b < nb; ++b) (*xg)[t * G + b / bpg] += XS[t * nb + b];
+  auto min_term = [=](int64_t o, int64_t t) {
     const uint16_t* m = M + o * G;
-    const float* x = xg.data() + t * G;
+    const float* x = xg->data() + t * G;
     float sum = 0.f;
     int64_t g = 0;
 #ifdef HARDY_AVX2
@@ -232,9 +248,9 @@ torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor sc
   };
   const int64_t row_bytes = K / 2;
 #ifdef HARDY_AVX2
-  auto codes = [&](int64_t o, int64_t b) { return unpack_q4(W + o * row_bytes + b * 16); };
+  auto codes = [=](int64_t o, int64_t b) { return unpack_q4(W + o * row_bytes + b * 16); };
 #else
-  auto codes = [&](int64_t o, int64_t b, int8_t* out) {
+  auto codes = [=](int64_t o, int64_t b, int8_t* out) {
     for (int i = 0; i < 16; ++i) {
       const uint8_t byte = W[o * row_bytes + b * 16 + i];
       out[i] = (int8_t)(byte & 0x0f);
@@ -242,34 +258,73 @@ torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor sc
     }
   };
 #endif
-  gemv_rows<2, false>(T, K, N, G, bpg, S, in, codes, min_term, true, y.data_ptr<float>());
-  auto shape = x_in.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  return rows_job<2, false>(T, K, N, G, bpg, S, in, codes, min_term, true, Y);
 }
 
-// y[t, o] = sum_k x[t, k] * code[o, k] * scale[o, g]  (int8 symmetric; group 0 = per row)
-torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes_in, torch::Tensor scales, int64_t group) {
-  const auto x = x_in.reshape({-1, x_in.size(-1)});
+Job q8_job(const QuantizedInput& in, const torch::Tensor& codes_in, const torch::Tensor& scales, int64_t group,
+           float* Y) {
   TORCH_CHECK(codes_in.dtype() == torch::kInt8 && codes_in.is_contiguous(), "codes: contiguous int8 [N, K]");
-  check_input(x, scales, codes_in.size(1), group);
-  const int64_t T = x.size(0), K = x.size(1), N = codes_in.size(0), G = scales.size(1);
-  const QuantizedInput in(x);
-  auto y = torch::empty({T, N}, torch::kFloat32);
+  check_input(in.codes, scales, codes_in.size(1), group);
+  const int64_t T = in.codes.size(0), K = in.codes.size(1), N = codes_in.size(0), G = scales.size(1);
   const int8_t* W = codes_in.data_ptr<int8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
 #ifdef HARDY_AVX2
-  auto codes = [&](int64_t o, int64_t b) {
+  auto codes = [=](int64_t o, int64_t b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + o * K + b * QK));
   };
 #else
-  auto codes = [&](int64_t o, int64_t b, int8_t* out) { std::memcpy(out, W + o * K + b * QK, QK); };
+  auto codes = [=](int64_t o, int64_t b, int8_t* out) { std::memcpy(out, W + o * K + b * QK, QK); };
 #endif
   auto no_min = [](int64_t, int64_t) { return 0.f; };
-  gemv_rows<1, true>(T, K, N, G, group / QK, S, in, codes, no_min, false, y.data_ptr<float>());
+  return rows_job<1, true>(T, K, N, G, group / QK, S, in, codes, no_min, false, Y);
+}
+
+torch::Tensor flat_rows(const torch::Tensor& x_in) {
+  const auto x = x_in.reshape({-1, x_in.size(-1)});
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [..., K]");
+  return x;
+}
+
+torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x_in) {
   auto shape = x_in.sizes().vec();
-  shape.back() = N;
+  shape.back() = y.size(1);
   return y.view(shape);
+}
+
+}  // namespace
+
+// y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group
+torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group) {
+  const QuantizedInput in(flat_rows(x_in));  // any leading shape: [..., K] -> [..., N], as [T, K] rows
+  auto y = torch::empty({in.codes.size(0), packed.size(0)}, torch::kFloat32);
+  run_jobs({q4_job(in, packed, scales, mins, group, y.data_ptr<float>())});
+  return shaped(y, x_in);
+}
+
+// y[t, o] = sum_k x[t, k] * code[o, k] * scale[o, g]  (int8 symmetric; group 0 = per row)
+torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes, torch::Tensor scales, int64_t group) {
+  const QuantizedInput in(flat_rows(x_in));
+  auto y = torch::empty({in.codes.size(0), codes.size(0)}, torch::kFloat32);
+  run_jobs({q8_job(in, codes, scales, group, y.data_ptr<float>())});
+  return shaped(y, x_in);
+}
+
+// Several matrices applied to the same x [T, K]: x is quantized once and all rows share one
+// parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8).
+std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                                      const std::vector<int64_t>& groups) {
+  const QuantizedInput in(flat_rows(x));
+  std::vector<torch::Tensor> outs;
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const auto& qw = w[3 * i];
+    outs.push_back(torch::empty({in.codes.size(0), qw.size(0)}, torch::kFloat32));
+    float* Y = outs.back().data_ptr<float>();
+    jobs.push_back(qw.scalar_type() == torch::kUInt8 ? q4_job(in, qw, w[3 * i + 1], w[3 * i + 2], groups[i], Y)
+                                                     : q8_job(in, qw, w[3 * i + 1], groups[i], Y));
+  }
+  run_jobs(jobs);
+  return outs;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
