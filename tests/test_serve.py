@@ -109,6 +109,36 @@ def test_streaming_matches_the_plain_answer(served, reference):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop") and chunks[-1]["usage"]["prompt_tokens"] > 0
 
 
+def test_stop_strings_cut_the_text_and_free_the_slot(served, reference):
+    full = reference("KING:", 48)
+    stop = full[12:15]
+    expected = full[:full.index(stop)]
+    steps_before = served.json("GET", "/health")[2]["decode_steps"]
+    status, _, body = served.json("POST", "/v1/completions", {"prompt": "KING:", "max_tokens": 48, "stop": [stop, "@@"]})
+    assert status == 200 and body["choices"][0]["text"] == expected and body["choices"][0]["finish_reason"] == "stop"
+    deadline = time.time() + 10
+    while served.json("GET", "/health")[2]["running"] and time.time() < deadline:
+        time.sleep(0.02)
+    # the engine let the slot go a step or two after the stop string, not after all 48 tokens
+    assert served.json("GET", "/health")[2]["decode_steps"] - steps_before < 30
+    status, _, payload = served.request("POST", "/v1/completions",
+                                        {"prompt": "KING:", "max_tokens": 48, "stop": stop, "stream": True})
+    events = [line[len("data: "):] for line in payload.decode().split("\n\n") if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_scanner_holds_back_what_may_become_a_stop_string():
+    from hardy.serve.api import StopScanner
+
+    s = StopScanner(["END"])  # the last len("END") - 1 characters wait
+    assert s.feed("abc E") == "abc" and s.feed("N") == " " and s.feed("D tail") == "" and s.stopped
+    assert s.feed("more") == "" and s.flush() == ""
+    s = StopScanner(["END"])
+    assert s.feed("abc E") == "abc" and s.feed("x") == " " and s.flush() == "Ex" and not s.stopped
+
+
 def test_models_endpoint(served):
     status, _, body = served.json("GET", "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["mini"]
@@ -124,6 +154,8 @@ def test_models_endpoint(served):
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400, "invalid_request_error"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400, "invalid_request_error"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, None, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, None, 400, "invalid_request_error"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "invalid_request_error"),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "invalid_request_error"),
     ("/v1/embeddings", {"input": "x"}, None, 404, "not_found"),
 ])

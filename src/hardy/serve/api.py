@@ -56,6 +56,45 @@ def _float_field(body: dict, key: str, default: float, low: float, high: float) 
     return float(value)
 
 
+def _stop_field(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(isinstance(x, str) and x for x in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of 1 to 4 of them", "invalid_request_error")
+    return stops
+
+
+class StopScanner:
+    """Text as it is generated, cut before the first stop string. `feed` returns what is safe to
+    send now: text that could still be the start of a stop string is held back until it cannot."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.hold = max((len(x) for x in stops), default=1) - 1
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        cuts = [i for i in (self.text.find(x, max(0, self.sent - self.hold)) for x in self.stops) if i >= 0]
+        if cuts:
+            self.stopped = True
+            end = min(cuts)
+        else:
+            end = len(self.text) - self.hold
+        out = self.text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
 class Handler(BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
@@ -175,7 +214,7 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", "invalid_request_error")
         sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        return Request(prompt=prompt, sampling=sampling, stop_ids=set(tok.stop_ids)), stream
+        return Request(prompt=prompt, sampling=sampling, stop_ids=set(tok.stop_ids), stop=_stop_field(body)), stream
 
     def _events(self, request: Request):
         while True:
@@ -205,15 +244,29 @@ class Handler(BaseHTTPRequestHandler):
         return {"prompt_tokens": len(request.prompt), "completion_tokens": completion,
                 "total_tokens": len(request.prompt) + completion}
 
-    def _complete(self, request: Request, chat: bool) -> None:
-        tokens, finish = [], None
+    def _generated(self, request: Request):
+        """(text to send, None) per token, then (remaining text, finish reason). A stop string ends
+        the request early: the engine is told to free its slot."""
+        decoder, scanner = self.server.tokenizer.stream_decoder(), StopScanner(request.stop)
         for kind, value in self._events(request):
-            if kind == "token":
-                tokens.append(value)
-            else:
-                finish = value
-        text = self.server.tokenizer.decode(tokens)
-        payload = self._payload(request, chat, text, finish, chunk=False)
+            if kind == "done":
+                yield scanner.flush(), value
+                return
+            text = scanner.feed(decoder.step(value))
+            if scanner.stopped:
+                self.server.engine.cancel(request)
+                yield text, "stop"
+                return
+            yield text, None
+
+    def _complete(self, request: Request, chat: bool) -> None:
+        pieces, finish = [], None
+        try:
+            for text, finish in self._generated(request):
+                pieces.append(text)
+        finally:
+            self.server.engine.cancel(request)  # no-op when finished; frees the slot if the client left
+        payload = self._payload(request, chat, "".join(pieces), finish, chunk=False)
         payload["usage"] = self._usage(request)
         self._json(200, payload)
 
@@ -224,25 +277,24 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        decoder = self.server.tokenizer.stream_decoder()
 
         def send(payload) -> None:
             self.wfile.write(f"data: {json.dumps(payload) if isinstance(payload, dict) else payload}\n\n".encode())
             self.wfile.flush()
 
-        if chat:
-            send({**self._payload(request, chat, None, None, chunk=True),
-                  "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
         try:
-            for kind, value in self._events(request):
-                if kind == "token":
-                    piece = decoder.step(value)
-                    if piece:
-                        send(self._payload(request, chat, piece, None, chunk=True))
-                else:
-                    final = self._payload(request, chat, None if chat else "", value, chunk=True)
+            if chat:
+                send({**self._payload(request, chat, None, None, chunk=True),
+                      "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+            for text, finish in self._generated(request):
+                if text:
+                    send(self._payload(request, chat, text, None, chunk=True))
+                if finish is not None:
+                    final = self._payload(request, chat, None if chat else "", finish, chunk=True)
                     final["usage"] = self._usage(request)
                     send(final)
         except ApiError as e:
             send({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+        finally:
+            self.server.engine.cancel(request)  # a client that went away frees its slot
         send("[DONE]")

@@ -38,6 +38,8 @@ class Request:
     created: float = field(default_factory=time.time)
     generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (the API cuts the text; see cancel)
+    cancelled: bool = False  # set by any thread; the engine thread frees the slot at its next step
 
 
 @dataclass
@@ -119,6 +121,10 @@ class Engine:
                 raise QueueFull() from None
         return request
 
+    def cancel(self, request: Request) -> None:
+        """Stop generating for `request` (a stop string was seen, or its client left)."""
+        request.cancelled = True
+
     @property
     def busy(self) -> int:
         return sum(s is not None for s in self.slots) + self.waiting.qsize()
@@ -149,6 +155,9 @@ class Engine:
         return False
 
     def _prefill(self, slot_index: int, req: Request) -> None:
+        if req.cancelled:
+            req.events.put(("done", "cancelled"))
+            return
         logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]))
         self.slots[slot_index] = _Slot(req, position=len(req.prompt), last=0)
         token = sample(logits, req.sampling, req.generator)
@@ -156,7 +165,13 @@ class Engine:
             self.slots[slot_index].last = token
 
     def _decode_step(self) -> None:
+        for i, s in enumerate(self.slots):
+            if s is not None and s.request.cancelled:
+                s.request.events.put(("done", "cancelled"))
+                self.slots[i] = None
         active = [i for i, s in enumerate(self.slots) if s is not None]
+        if not active:
+            return
         n = max(active) + 1  # rows 0 .. n-1 (an empty row in between computes and is ignored)
         tokens = torch.zeros(n, 1, dtype=torch.long)
         positions = torch.zeros(n, dtype=torch.long)
