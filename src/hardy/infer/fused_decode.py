@@ -29,21 +29,23 @@ def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
     return tensors, groups
 
 
-def fused_blocks(model) -> list | None:
-    """Per block (weights, groups, norms), or None where the fused step does not apply. Computed
-    once per model (a module swap or sharding after that is not expected at inference)."""
+def fused_blocks(model) -> tuple | None:
+    """(the extension, per block (weights, groups, norms)), or None where the fused step does not
+    apply. Computed once per model (a module swap or sharding after that is not expected)."""
     cached = getattr(model, "_fused_decode", False)
     if cached is not False:
         return cached
     from hardy.compress.kernels import load
+    from hardy.model.llama import RMSNorm, TransformerBlock
 
     module = load()
     blocks = None
     if module is not None and hasattr(module, "decode_layer") and model.norm.weight.dtype == torch.float32:
         blocks = []
         for block in model.layers:
-            args = _block_args(block)
-            if args is None or type(block.attention_norm).__name__ != "RMSNorm":
+            args = _block_args(block) if isinstance(block, TransformerBlock) else None
+            norms = (block.attention_norm, block.ffn_norm) if args else ()
+            if args is None or not all(isinstance(n, RMSNorm) for n in norms):
                 blocks = None
                 break
             blocks.append((*args, block.attention_norm.weight.detach(), block.ffn_norm.weight.detach()))
