@@ -71,4 +71,8 @@ def run(args) -> int:
         s = result.stats
         print(f"prefill: {s.prompt_tokens} tokens in {s.prefill_s:.3f} s ({s.prefill_tps:.1f} tokens/s); "
               f"decode: {s.new_tokens} tokens in {s.decode_s:.3f} s ({s.decode_tps:.1f} tokens/s)", file=sys.stderr)
+    if args.tp > 1:
+        from hardy.parallel.distributed import destroy
+
+        destroy()
     return 0

@@ -30,6 +30,7 @@ def run(args) -> int:
 
     from hardy.cli.common import load_from_args
     from hardy.errors import HardyError
+    from hardy.parallel.distributed import destroy
     from hardy.serve.api import Server
     from hardy.serve.engine import Engine, ModelRunner, context_length
 
@@ -58,6 +59,7 @@ def run(args) -> int:
         if shard_model(loaded.model, args.tp).rank != 0:  # a follower: no server, only forward passes
             sys.stdout = open(os.devnull, "w")
             follow(loaded.model, args.max_batch, context_length(loaded.model, args.context))
+            destroy()
             return 0
         runner = LeaderRunner
     engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
@@ -92,4 +94,5 @@ def run(args) -> int:
     finally:
         server.server_close()
         engine.close()
+        destroy()  # a tensor-parallel run's process group (no-op otherwise)
     return 0
