@@ -67,8 +67,7 @@ def load(verbose: bool = False):
     directory.mkdir(parents=True, exist_ok=True)
     try:
         # -fopenmp: without it at::parallel_for compiles to a serial loop (measured: one core busy)
-        _module = load_extension(name=name, sources=[str(p) for p in SOURCES],
-                                 extra_cflags=["-O3", "-fopenmp", *flags, *os.environ.get("HARDY_KERNEL_CFLAGS", "").split()],
+        _module = load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
                                  extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
     except Exception as e:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
         log.warning("quantized decode kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0][:200])
@@ -76,10 +75,14 @@ def load(verbose: bool = False):
     return _module
 
 
+def kernel_group(layer) -> int:
+    """The group width the kernels take: per-channel (group size 0) is one group of the whole row."""
+    return layer.spec.group_size or layer.in_features
+
+
 def supports(layer) -> bool:
     spec, cols = layer.spec, layer.in_features
-    group = spec.group_size or cols
-    if cols % 32 or group % 32:
+    if cols % 32 or kernel_group(layer) % 32:
         return False
     return (spec.bits == 4 and not spec.symmetric) or (spec.bits == 8 and spec.symmetric)
 
@@ -87,7 +90,7 @@ def supports(layer) -> bool:
 def make_kernel(layer, module):
     """x [..., in] -> [..., out]. Decode calls this ~200 times per token (SmolLM2), so the common
     case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
-    group = layer.spec.group_size or layer.in_features
+    group = kernel_group(layer)
     if layer.spec.bits == 4:
         def fused(x):
             return module.q4_gemv(x, layer.qweight, layer.scales, layer.mins, group)

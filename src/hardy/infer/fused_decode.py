@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import torch
 
-LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-           "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
-
 
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
+    from hardy.compress.kernels import kernel_group
     from hardy.compress.qlinear import QuantLinear
+    from hardy.model.llama import BLOCK_LINEARS
 
     tensors, groups = [], []
-    for name in LINEARS:
+    for name in BLOCK_LINEARS:
         layer = block.get_submodule(name)
         if not isinstance(layer, QuantLinear) or layer.kernel is None:
             return None
         mins = layer.mins if layer.mins is not None else torch.empty(0, dtype=torch.float16)
         tensors += [layer.qweight, layer.scales, mins]
-        groups.append(layer.spec.group_size or layer.in_features)
+        groups.append(kernel_group(layer))
     return tensors, groups
 
 

@@ -142,6 +142,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# Every linear of a block, in the order its forward reads them (the fused decode block,
+# hardy.compress.csrc/decode_layer.cpp, takes their weights in this order).
+BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

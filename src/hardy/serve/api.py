@@ -246,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generated(self, request: Request):
         """(text to send, None) per token, then (remaining text, finish reason). A stop string ends
-        the request early: the engine is told to free its slot."""
+        the request early; the caller then cancels it, which frees its slot."""
         decoder, scanner = self.server.tokenizer.stream_decoder(), StopScanner(request.stop)
         for kind, value in self._events(request):
             if kind == "done":
@@ -254,7 +254,6 @@ class Handler(BaseHTTPRequestHandler):
                 return
             text = scanner.feed(decoder.step(value))
             if scanner.stopped:
-                self.server.engine.cancel(request)
                 yield text, "stop"
                 return
             yield text, None
@@ -265,7 +264,7 @@ class Handler(BaseHTTPRequestHandler):
             for text, finish in self._generated(request):
                 pieces.append(text)
         finally:
-            self.server.engine.cancel(request)  # no-op when finished; frees the slot if the client left
+            self.server.engine.cancel(request)  # after a stop string or a lost client: free the slot
         payload = self._payload(request, chat, "".join(pieces), finish, chunk=False)
         payload["usage"] = self._usage(request)
         self._json(200, payload)
@@ -296,5 +295,5 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as e:
             send({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         finally:
-            self.server.engine.cancel(request)  # a client that went away frees its slot
+            self.server.engine.cancel(request)  # after a stop string or a lost client: free the slot
         send("[DONE]")
