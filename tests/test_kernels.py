@@ -46,6 +46,37 @@ def test_exact_on_grid_activations_and_close_otherwise(ext, spec):
     assert kernel(x[None]).shape == (1, 4, 96)
 
 
+def test_int4_tiled_layout_is_a_lossless_relayout(ext):
+    """The kernel re-lays int4 weights in tiles of 8 interleaved rows (padded): state_dict(), the
+    stored tensors, row lookups and embeddings give back exactly the stored layout, a state dict
+    loads into a tiled layer, and a row count that is not a multiple of 8 computes correctly."""
+    from hardy.compress.qlinear import QuantEmbedding
+
+    layer = _layer(QuantSpec(4, 32), out=100)
+    stored = {k: v.clone() for k, v in layer.state_dict().items()}
+    weight = layer.dequantized_weight()
+    kernel = kernels.make_kernel(layer, ext)
+    assert layer.tiled and layer.qweight.shape == (104, 288) and layer.scales.shape == (13, 18, 8)
+    assert not torch.equal(layer.qweight[:100], stored["qweight"])  # really re-laid
+    assert all(torch.equal(v, stored[k]) for k, v in layer.state_dict().items()) and len(stored) == 3
+    assert torch.equal(layer.dequantized_weight(), weight)
+    rows = torch.tensor([0, 7, 8, 99, 42])
+    assert all(torch.equal(v, stored[k][rows]) for k, v in layer.stored(rows).items())
+    x = torch.randn(2, 576)
+    ref = x @ weight.t()
+    assert kernel(x).shape == (2, 100) and float((kernel(x) - ref).norm() / ref.norm()) < 1e-2
+    other = _layer(QuantSpec(4, 32), out=100, seed=1)
+    kernels.make_kernel(other, ext)
+    other.load_state_dict(stored)
+    assert torch.equal(other.qweight, layer.qweight) and torch.equal(other.dequantized_weight(), weight)
+
+    emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, QuantSpec(4, 32)))
+    tokens = torch.tensor([[3, 59], [56, 0]])
+    before = emb(tokens)
+    kernels.make_kernel(emb.table, ext)
+    assert emb.table.tiled and torch.equal(emb(tokens), before)
+
+
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     """The scalar fallback (no vector ISA) and, on a VNNI machine, the AVX2 build (maddubs instead of

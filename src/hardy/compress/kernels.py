@@ -87,13 +87,55 @@ def supports(layer) -> bool:
     return (spec.bits == 4 and not spec.symmetric) or (spec.bits == 8 and spec.symmetric)
 
 
+TILE = 8  # int4 rows interleaved per tile (csrc/qgemv.cpp, q4_job)
+
+
+def tile_q4(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int4 qweight/scales/mins from the stored layout (rows of GGUF Q4 blocks, [rows, groups]) to
+    the kernel's: rows padded to a multiple of 8 with zeros, each tile's block as the 4-byte groups
+    of its 8 rows in turn, scales and mins [tiles, groups, 8]. A byte permutation: nothing is
+    re-quantized, and `untile_q4` restores the stored tensors exactly."""
+    q, scales, mins = stored["qweight"], stored["scales"], stored["mins"]
+    rows, half = q.shape
+    pad = -rows % TILE
+    if pad:
+        q, scales, mins = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, scales, mins))
+    tiles = q.shape[0] // TILE
+    return {"qweight": q.view(tiles, TILE, half // 16, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE, half),
+            "scales": scales.view(tiles, TILE, -1).transpose(1, 2).contiguous(),
+            "mins": mins.view(tiles, TILE, -1).transpose(1, 2).contiguous()}
+
+
+def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored-layout tensors of the given rows only (embedding lookups read a few rows)."""
+    q = tiled["qweight"]
+    half = q.shape[1]
+    tile, lane = rows // TILE, rows % TILE
+    out = {"qweight": q.view(-1, half // 16, 4, TILE, 4)[tile, :, :, lane].reshape(-1, half)}
+    for name in ("scales", "mins"):
+        out[name] = tiled[name][tile, :, lane]
+    return out
+
+
+def untile_q4(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """All rows back in the stored layout (the inverse permutation: one copy, no gather)."""
+    q = tiled["qweight"]
+    padded, half = q.shape
+    out = {"qweight": q.view(padded // TILE, half // 16, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(padded, half)}
+    for name in ("scales", "mins"):
+        out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
+    return {name: t[:rows] for name, t in out.items()}
+
+
 def make_kernel(layer, module):
-    """x [..., in] -> [..., out]. Decode calls this ~200 times per token (SmolLM2), so the common
-    case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
-    group = kernel_group(layer)
+    """x [..., in] -> [..., out] for a supported layer (an int4 one is re-laid in the kernel's tiled
+    layout, in place of the stored one). Decode calls this ~200 times per token (SmolLM2), so the
+    common case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
+    group, rows = kernel_group(layer), layer.out_features
     if layer.spec.bits == 4:
+        layer.set_tiled(True)
         def fused(x):
-            return module.q4_gemv(x, layer.qweight, layer.scales, layer.mins, group)
+            return module.q4_gemv(x, layer.qweight, layer.scales, layer.mins, group, rows)
     else:
         def fused(x):
             return module.q8_gemv(x, layer.qweight, layer.scales, group)

@@ -27,12 +27,45 @@ class QuantLinear(nn.Module):
         if "mins" not in self._buffers:
             self.mins = None
         self.kernel = None  # set by hardy.compress.kernels.prepare()
+        self.tiled = False  # int4 tensors re-laid for the kernel (prepare); state_dict() stays in stored layout
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in ("qweight", "scales", "mins") if getattr(self, name) is not None}
+
+    def set_tiled(self, tiled: bool) -> None:
+        from hardy.compress.kernels import tile_q4, untile_q4
+
+        if tiled != self.tiled:
+            tensors = tile_q4(self._tensors()) if tiled else untile_q4(self._tensors(), self.out_features)
+            for name, tensor in tensors.items():
+                setattr(self, name, tensor)  # replaces the buffer: one copy of the weights either way
+            self.tiled = tiled
+
+    def stored(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """qweight/scales/mins in the stored layout (docs/quantization.md), all rows or some."""
+        from hardy.compress.kernels import tiled_rows, untile_q4
+
+        tensors = self._tensors()
+        if self.tiled:
+            return untile_q4(tensors, self.out_features) if rows is None else tiled_rows(tensors, rows)
+        return tensors if rows is None else {name: t[rows] for name, t in tensors.items()}
 
     def quant_tensor(self) -> QuantTensor:
-        tensors = {"qweight": self.qweight, "scales": self.scales}
-        if self.mins is not None:
-            tensors["mins"] = self.mins
-        return QuantTensor.from_packed(tensors, self.spec, (self.out_features, self.in_features))
+        return QuantTensor.from_packed(self.stored(), self.spec, (self.out_features, self.in_features))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, tensor in self.stored().items():
+            destination[prefix + name] = tensor if keep_vars else tensor.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if self.tiled:  # stored layout in, kernel layout kept
+            from hardy.compress.kernels import tile_q4
+
+            names = [prefix + n for n in ("qweight", "scales", "mins")]
+            if all(n in state_dict for n in names):
+                tiled = tile_q4({n.removeprefix(prefix): state_dict[n] for n in names})
+                state_dict = {**state_dict, **{prefix + n: t for n, t in tiled.items()}}
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.quant_tensor().dequantize()
@@ -60,9 +93,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self.table
         rows = tokens.reshape(-1)
-        q = QuantTensor.from_packed({"qweight": t.qweight[rows], "scales": t.scales[rows],
-                                     **({"mins": t.mins[rows]} if t.mins is not None else {})},
-                                    t.spec, (rows.numel(), t.in_features))
+        q = QuantTensor.from_packed(t.stored(rows), t.spec, (rows.numel(), t.in_features))
         return q.dequantize().reshape(*tokens.shape, t.in_features)
 
 

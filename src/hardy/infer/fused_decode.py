@@ -1,6 +1,6 @@
 """Decode steps through the fused block (hardy.compress.csrc/decode_layer.cpp) where a model allows:
 every block's seven linears quantized with the fused kernels attached, float32 weights and KV cache,
-one process. Each block is then one C++ call instead of ~25 operator calls from Python — at
+one process. All blocks are then one C++ call instead of ~25 operator calls per block from Python — at
 SmolLM2's size that overhead, not reading the weights, was most of a decode step.
 
 Anything else (float models, tensor parallel, prefill, a model the kernels could not be built for)
@@ -17,20 +17,20 @@ def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
     from hardy.compress.qlinear import QuantLinear
     from hardy.model.llama import BLOCK_LINEARS
 
-    tensors, groups = [], []
+    tensors, dims = [], []
     for name in BLOCK_LINEARS:
         layer = block.get_submodule(name)
         if not isinstance(layer, QuantLinear) or layer.kernel is None:
             return None
         mins = layer.mins if layer.mins is not None else torch.empty(0, dtype=torch.float16)
         tensors += [layer.qweight, layer.scales, mins]
-        groups.append(kernel_group(layer))
-    return tensors, groups
+        dims += [kernel_group(layer), layer.out_features]
+    return tensors, dims
 
 
 def fused_blocks(model) -> tuple | None:
-    """(the extension, per block (weights, groups, norms)), or None where the fused step does not
-    apply. Computed once per model (a module swap or sharding after that is not expected)."""
+    """The extension's DecodeStack holding every block's weights, or None where the fused step does
+    not apply. Built once per model (a module swap or sharding after that is not expected)."""
     cached = getattr(model, "_fused_decode", False)
     if cached is not False:
         return cached
@@ -38,18 +38,21 @@ def fused_blocks(model) -> tuple | None:
     from hardy.model.llama import RMSNorm, TransformerBlock
 
     module = load()
-    blocks = None
-    if module is not None and hasattr(module, "decode_layer") and model.norm.weight.dtype == torch.float32:
-        blocks = []
+    fused = None
+    if module is not None and hasattr(module, "DecodeStack") and model.norm.weight.dtype == torch.float32:
+        tensors, dims, norms = [], [], []
         for block in model.layers:
             args = _block_args(block) if isinstance(block, TransformerBlock) else None
-            norms = (block.attention_norm, block.ffn_norm) if args else ()
-            if args is None or not all(isinstance(n, RMSNorm) for n in norms):
-                blocks = None
+            if args is None or not all(isinstance(n, RMSNorm) for n in (block.attention_norm, block.ffn_norm)):
+                tensors = None
                 break
-            blocks.append((*args, block.attention_norm.weight.detach(), block.ffn_norm.weight.detach()))
-    model._fused_decode = (module, blocks) if blocks else None
-    return model._fused_decode
+            tensors += args[0]
+            dims += args[1]
+            norms += [block.attention_norm.weight.detach(), block.ffn_norm.weight.detach()]
+        if tensors:
+            fused = module.DecodeStack(norms, tensors, dims, model.cfg.norm_eps, model.layers[0].attention.head_dim)
+    model._fused_decode = fused
+    return fused
 
 
 def decode_hidden(model, tokens: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
@@ -64,12 +67,7 @@ def decode_hidden(model, tokens: torch.Tensor, start_pos: int | torch.Tensor) ->
             or int(positions.max()) >= min(model._rope_len, caches[0].k.shape[2])
             or not (model.rope_cos.dtype == torch.float32 and model.rope_cos.is_contiguous())):
         return model.hidden_states(tokens, start_pos)
-    module, blocks = fused
-    eps = model.cfg.norm_eps
-    head_dim = model.layers[0].attention.head_dim
-    positions = positions.to(torch.long).contiguous()
     x = model.tok_embeddings(tokens)[:, 0].float().contiguous()
-    for (tensors, groups, attn_norm, ffn_norm), cache in zip(blocks, caches):
-        x = module.decode_layer(x, positions, model.rope_cos, model.rope_sin, attn_norm, ffn_norm, eps,
-                                tensors, groups, cache.k, cache.v, head_dim)
+    x = fused(x, positions.to(torch.long).contiguous(), model.rope_cos, model.rope_sin, [c.k for c in caches],
+              [c.v for c in caches])
     return model.norm(x)[:, None]

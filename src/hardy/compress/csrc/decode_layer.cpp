@@ -1,15 +1,44 @@
-// One whole transformer block for decoding (one new token per row) in a single call: RMSNorm,
-// the seven quantized products (qgemv.cpp), rotary embedding, the KV-cache write, causal attention
-// over each row's own cached positions, SwiGLU and both residuals. The same arithmetic as the
-// module path (hardy.model.llama with QuantLinear layers) without ~25 Python-level operator calls
-// per block, which at SmolLM2's size cost more than the weights' own reading (docs/quantization.md).
+// All transformer blocks for decoding (one new token per row) in a single call (DecodeStack): per
+// block RMSNorm, the seven quantized products (qgemv.cpp), rotary embedding, the KV-cache write,
+// causal attention over each row's own cached positions, SwiGLU and both residuals. The same
+// arithmetic as the module path (hardy.model.llama with QuantLinear layers) without ~25
+// Python-level operator calls per block, which at SmolLM2's size cost more than the weights' own
+// reading (docs/quantization.md).
 #include "qgemv.h"
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <cmath>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
+
+// a · b over n floats. Written out because the compiler keeps a plain float sum in order (serial)
+// without -ffast-math; attention spends most of its time here.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  const __m256 v = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
+  float p[4] = {0.f, 0.f, 0.f, 0.f};
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) p[j] += a[i + j] * b[i + j];
+  sum = (p[0] + p[1]) + (p[2] + p[3]);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
 
 // y = x / sqrt(mean(x^2) + eps) * w, rows of [B, D]
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -45,20 +74,18 @@ void rope(torch::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const
   }
 }
 
-// The linears `first .. first+count-1` of the block applied to the same x (one quantization of x).
-std::vector<torch::Tensor> linears(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& groups, int first,
-                                   int count, const torch::Tensor& x) {
-  return qgemv_many(x, std::vector<torch::Tensor>(w.begin() + 3 * first, w.begin() + 3 * (first + count)),
-                    std::vector<int64_t>(groups.begin() + first, groups.begin() + first + count));
+// The linears `first .. first+count-1` of the block applied to the same x (one quantization of x);
+// w and dims point at the block's 21 tensors and 14 sizes.
+std::vector<torch::Tensor> linears(const torch::Tensor* w, const int64_t* dims, int first, int count,
+                                   const torch::Tensor& x) {
+  return qgemv_many(x, std::vector<torch::Tensor>(w + 3 * first, w + 3 * (first + count)),
+                    std::vector<int64_t>(dims + 2 * first, dims + 2 * (first + count)));
 }
 
-}  // namespace
-
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor attn_norm, torch::Tensor ffn_norm, double eps, std::vector<torch::Tensor> w,
-                           std::vector<int64_t> groups, torch::Tensor kc, torch::Tensor vc, int64_t head_dim) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [B, D]");
-  TORCH_CHECK(w.size() == 21 && groups.size() == 7, "seven quantized linears");
+torch::Tensor block(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
+                    const torch::Tensor& sin, const torch::Tensor& attn_norm, const torch::Tensor& ffn_norm, double eps,
+                    const torch::Tensor* w, const int64_t* dims, const torch::Tensor& kc, const torch::Tensor& vc,
+                    int64_t head_dim) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32, "float32 KV cache");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.size(0) == x.size(0), "one position per row");
   const int64_t B = x.size(0), hd = head_dim, S = kc.size(2), KVH = kc.size(1);
@@ -67,7 +94,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tens
   TORCH_CHECK(B <= kc.size(0), "more rows than the cache holds");
 
   auto h = rms_norm(x, attn_norm, eps);
-  auto qkv = linears(w, groups, 0, 3, h);
+  auto qkv = linears(w, dims, 0, 3, h);
   auto &q = qkv[0], &k = qkv[1], &v = qkv[2];
   const int64_t H = q.size(1) / hd, group_heads = H / KVH;
   TORCH_CHECK(k.size(1) == KVH * hd && H % KVH == 0, "head counts do not match the cache");
@@ -99,9 +126,7 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tens
       p.resize(n);
       float mx = -INFINITY;
       for (int64_t t = 0; t < n; ++t) {
-        float dot = 0.f;
-        for (int64_t j = 0; j < hd; ++j) dot += qv[j] * keys[t * hd + j];
-        p[t] = dot * scale;
+        p[t] = dot(qv, keys + t * hd, hd) * scale;
         mx = std::max(mx, p[t]);
       }
       float total = 0.f;
@@ -115,13 +140,34 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tens
     }
   });
 
-  auto x1 = x + linears(w, groups, 3, 1, attn)[0];
+  auto x1 = x + linears(w, dims, 3, 1, attn)[0];
   auto h2 = rms_norm(x1, ffn_norm, eps);
-  auto gate_up = linears(w, groups, 4, 2, h2);
+  auto gate_up = linears(w, dims, 4, 2, h2);
   auto &gate = gate_up[0], &up = gate_up[1];
   float* G = gate.data_ptr<float>();
   const float* U = up.data_ptr<float>();
   for (int64_t i = 0, n = gate.numel(); i < n; ++i) G[i] = G[i] / (1.f + std::exp(-G[i])) * U[i];
-  x1 += linears(w, groups, 6, 1, gate)[0];
+  x1 += linears(w, dims, 6, 1, gate)[0];
   return x1;
+}
+
+}  // namespace
+
+DecodeStack::DecodeStack(std::vector<torch::Tensor> norms_, std::vector<torch::Tensor> w_, std::vector<int64_t> dims_,
+                         double eps_, int64_t head_dim_)
+    : norms(std::move(norms_)), w(std::move(w_)), dims(std::move(dims_)), eps(eps_), head_dim(head_dim_) {
+  const size_t L = norms.size() / 2;
+  TORCH_CHECK(norms.size() == 2 * L && w.size() == 21 * L && dims.size() == 14 * L,
+              "per block: two norms and seven quantized linears");
+}
+
+torch::Tensor DecodeStack::operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                      std::vector<torch::Tensor> kcs, std::vector<torch::Tensor> vcs) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [B, D]");
+  const size_t L = norms.size() / 2;
+  TORCH_CHECK(kcs.size() == L && vcs.size() == L, "a K and a V cache per block");
+  for (size_t l = 0; l < L; ++l)
+    x = block(x, positions, cos, sin, norms[2 * l], norms[2 * l + 1], eps, w.data() + 21 * l, dims.data() + 14 * l,
+              kcs[l], vcs[l], head_dim);
+  return x;
 }

@@ -1,7 +1,8 @@
 // Fused quantized matrix-vector products for decoding on CPU (hardy.compress.kernels).
 //
-// Weights stay as stored by hardy compress (docs/quantization.md): 4-bit codes packed in GGUF Q4
-// order with fp16 scale/min per (row, group), or int8 codes with an fp16 scale per (row, group).
+// int8 weights stay as stored by hardy compress (docs/quantization.md): codes with an fp16 scale
+// per (row, group). int4 weights (GGUF Q4 order, fp16 scale/min per (row, group) on disk) are
+// re-laid at load in tiles of 8 interleaved rows (q4_job; hardy.compress.kernels.tile_q4).
 // Activations are quantized on the fly to int8 per block of 32 (scale max|x|/127), as llama.cpp
 // does on AVX2, so the inner products run as 8-bit integer multiply-adds. With AVX2 the block dot
 // product is maddubs + madd (32 multiply-adds in two instructions), with AVX-512 VNNI one dpbusd;
@@ -49,15 +50,40 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, 
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = x + t * K + b * QK;
+      int8_t* q = xq + t * K + b * QK;
+      int32_t sum = 0;
+#ifdef HARDY_AVX2  // the same arithmetic 8 lanes at a time (round to nearest even, like nearbyint)
+      __m256 f[4], m = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      for (int j = 0; j < 4; ++j) {
+        f[j] = _mm256_loadu_ps(v + 8 * j);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, f[j]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      __m256i n[4];
+      for (int j = 0; j < 4; ++j)
+        n[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(f[j], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+      s = _mm_hadd_epi32(s, s);
+      sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+      // packs work within 128-bit lanes: the permute puts the 32 bytes back in order
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                          _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
       float amax = 0.f;
       for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
       for (int i = 0; i < QK; ++i) {
-        const int8_t q = (int8_t)std::nearbyint(v[i] * id);
-        xq[t * K + b * QK + i] = q;
-        sum += q;
+        q[i] = (int8_t)std::nearbyint(v[i] * id);
+        sum += q[i];
       }
+#endif
       dx[t * nb + b] = d;
       // the sum of the *quantized* block, so that an asymmetric grid's offset meets the same x
       // as its codes do: the product is then exactly dequantized w · dequantized x (llama.cpp's q8_1)
@@ -66,21 +92,21 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, 
   }
 }
 
-// The activations of one call, quantized: int8 codes, per-block scales and per-block sums.
+// The activations of one call, quantized: int8 codes, per-block scales and per-block sums (plain
+// vectors: decode makes ~120 of these per token, and tensors cost more to create).
 struct QuantizedInput {
-  torch::Tensor codes, scales, sums;
-  explicit QuantizedInput(const torch::Tensor& x) {
-    const int64_t T = x.size(0), K = x.size(1);
-    codes = torch::empty({T, K}, torch::kInt8);
-    scales = torch::empty({T, K / QK}, torch::kFloat32);
-    sums = torch::empty({T, K / QK}, torch::kFloat32);
-    quantize_rows(x.data_ptr<float>(), T, K, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<float>());
+  int64_t T, K;
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+  explicit QuantizedInput(const torch::Tensor& x)
+      : T(x.size(0)), K(x.size(1)), codes(T * K), scales(T * K / QK), sums(T * K / QK) {
+    quantize_rows(x.data_ptr<float>(), T, K, codes.data(), scales.data(), sums.data());
   }
 };
 
-void check_input(const torch::Tensor& x, const torch::Tensor& scales, int64_t rows_k, int64_t group) {
+void check_input(const QuantizedInput& x, const torch::Tensor& scales, int64_t rows_k, int64_t group) {
   TORCH_CHECK(scales.scalar_type() == torch::kFloat16, "fp16 scales");
-  const int64_t K = x.size(1);
+  const int64_t K = x.K;
   TORCH_CHECK(K % QK == 0 && rows_k == K && group % QK == 0 && scales.size(1) == (K + group - 1) / group,
               "shape mismatch");
 }
@@ -103,104 +129,22 @@ inline __m256i dot_block(__m256i u, __m256i s) {
 #endif
 }
 
-inline __m256i unpack_q4(const uint8_t* w) {  // 16 bytes -> 32 codes in [0, 15] (GGUF Q4 order)
-  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), _mm256_set1_epi8(0x0f));
-}
-#endif
-
-// The shared body of both products: rows in tiles of R (R accumulators share each activation
-// load), groups outermost so no division runs in the inner loop; within a group the activation
-// scale is applied per block and the weight scale once per group. `Codes` gives a block's 32 weight
-// codes: unsigned 4-bit ones multiply x directly, signed 8-bit ones go through |x| and w·sign(x)
-// (the byte multiply-add takes one unsigned operand). `min_terms` adds an asymmetric grid's offset.
-template <int R, bool Signed, typename Codes>
-inline void tile(int64_t o, int64_t t, int64_t K, int64_t N, int64_t G, int64_t bpg, const uint16_t* S,
-                 const int8_t* XQ, const float* DX, Codes codes, float* Y, const float* min_terms) {
-  const int64_t nb = K / QK;
-#ifdef HARDY_AVX2
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  if (bpg == 1) {  // groups of 32 (GGUF Q4_1 / Q8_0): one scale product per block, no partial sums
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + t * K + b * QK));
-      const __m256i ax = Signed ? _mm256_sign_epi8(xv, xv) : xv;
-      const float d = DX[t * nb + b];
-      for (int r = 0; r < R; ++r) {
-        const __m256i dot = Signed ? dot_block(ax, _mm256_sign_epi8(codes(o + r, b), xv)) : dot_block(codes(o + r, b), xv);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * half_to_float(S[(o + r) * G + b])), acc[r]);
-      }
-    }
-  } else
-  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
-    const int64_t b1 = std::min(nb, b0 + bpg);
-    __m256 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
-    for (int64_t b = b0; b < b1; ++b) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(XQ + t * K + b * QK));
-      const __m256i ax = Signed ? _mm256_sign_epi8(xv, xv) : xv;
-      const __m256 d = _mm256_set1_ps(DX[t * nb + b]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i dot = Signed ? dot_block(ax, _mm256_sign_epi8(codes(o + r, b), xv)) : dot_block(codes(o + r, b), xv);
-        part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, part[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(half_to_float(S[(o + r) * G + g])), acc[r]);
-  }
-  for (int r = 0; r < R; ++r) Y[t * N + o + r] = hsum8(acc[r]) + (min_terms ? min_terms[r] : 0.f);
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + dot_block(u, s)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
 #else
-  for (int r = 0; r < R; ++r) {
-    float acc = 0.f;
-    for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
-      const int64_t b1 = std::min(nb, b0 + bpg);
-      float part = 0.f;
-      for (int64_t b = b0; b < b1; ++b) {
-        int8_t w[QK];
-        codes(o + r, b, w);
-        int32_t dot = 0;
-        for (int i = 0; i < QK; ++i) dot += (int32_t)w[i] * XQ[t * K + b * QK + i];
-        part += DX[t * nb + b] * (float)dot;
-      }
-      acc += half_to_float(S[(o + r) * G + g]) * part;
-    }
-    Y[t * N + o + r] = acc + (min_terms ? min_terms[r] : 0.f);
-  }
+  return _mm256_add_epi32(acc, dot_block(u, s));
 #endif
 }
+#endif
 
-// Rows per tile, measured on SmolLM2 decode (2 threads, Zen 4): int8 is fastest one row at a time,
-// int4 two rows at a time. A Job computes a range of one matrix's tiles; the closures own copies of
-// everything they read besides the tensors' storage, so a job can outlive the call that made it.
+// A Job computes a range of one matrix's tiles (int8: single rows; int4: tiles of 8 rows); the
+// closure owns copies of everything it reads besides the tensors' storage, so a job can outlive
+// the call that made it.
 struct Job {
   std::function<void(int64_t, int64_t)> run;
   int64_t tiles;
 };
-
-template <int TILE, bool Signed, typename Codes, typename MinTerm>
-Job rows_job(int64_t T, int64_t K, int64_t N, int64_t G, int64_t bpg, const uint16_t* S, const QuantizedInput& in,
-             Codes codes, MinTerm min_term, bool asymmetric, float* Y) {
-  const int8_t* XQ = in.codes.data_ptr<int8_t>();
-  const float* DX = in.scales.data_ptr<float>();
-  auto run = [=](int64_t begin, int64_t end) {
-    float mins[TILE];
-    for (int64_t tile_i = begin; tile_i < end; ++tile_i) {
-      const int64_t o = tile_i * TILE;
-      for (int64_t t = 0; t < T; ++t) {
-        if (o + TILE <= N) {
-          if (asymmetric) for (int r = 0; r < TILE; ++r) mins[r] = min_term(o + r, t);
-          tile<TILE, Signed>(o, t, K, N, G, bpg, S, XQ, DX, codes, Y, asymmetric ? mins : nullptr);
-        } else {
-          for (int64_t row = o; row < N; ++row) {
-            if (asymmetric) mins[0] = min_term(row, t);
-            tile<1, Signed>(row, t, K, N, G, bpg, S, XQ, DX, codes, Y, asymmetric ? mins : nullptr);
-          }
-        }
-      }
-    }
-  };
-  return Job{run, (N + TILE - 1) / TILE};
-}
 
 // All jobs' tiles in one parallel region: one fork/join for q, k and v (or gate and up) together.
 void run_jobs(const std::vector<Job>& jobs) {
@@ -216,67 +160,154 @@ void run_jobs(const std::vector<Job>& jobs) {
   });
 }
 
-Job q4_job(const QuantizedInput& in, const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& mins,
-           int64_t group, float* Y) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(mins.scalar_type() == torch::kFloat16 && mins.sizes() == scales.sizes(), "fp16 mins like scales");
-  check_input(in.codes, scales, packed.size(1) * 2, group);
-  const int64_t T = in.codes.size(0), K = in.codes.size(1), N = packed.size(0), G = scales.size(1);
-  const uint8_t* W = packed.data_ptr<uint8_t>();
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-  const int64_t nb = K / QK, bpg = group / QK;
-  // Σ_g min_g · Σ_{k in g} x_k: the grid's offset needs only each group's activation sum.
-  auto xg = std::make_shared<std::vector<float>>(T * G, 0.f);
-  const float* XS = in.sums.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < nb; ++b) (*xg)[t * G + b / bpg] += XS[t * nb + b];
-  auto min_term = [=](int64_t o, int64_t t) {
-    const uint16_t* m = M + o * G;
-    const float* x = xg->data() + t * G;
-    float sum = 0.f;
-    int64_t g = 0;
-#ifdef HARDY_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= G; g += 8)
-      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))),
-                            _mm256_loadu_ps(x + g), acc);
-    sum = hsum8(acc);
+// int4 weights in the kernel's tiled layout (hardy.compress.kernels.tile_q4): rows in tiles of 8,
+// each tile's block of 32 columns as 128 bytes where bytes [32c + 4r, 32c + 4r + 4) are bytes
+// [4c, 4c + 4) of row r's GGUF Q4 block (low nibbles: codes 4c..4c+3, high: 16+4c..16+4c+3); scales
+// and mins as [tiles, groups, 8]. One 256-bit load then holds four codes of each of 8 rows, so the
+// byte multiply-add against the same four activations broadcast leaves row r's dot product in lane
+// r: no horizontal sums, and the scales of 8 rows apply in one vector product (llama.cpp repacks
+// Q4_0 this way; measured here 2x the row-at-a-time loop, BENCHMARKS.md).
+#ifndef PF_BYTES
+#define PF_BYTES 16384
 #endif
-    for (; g < G; ++g) sum += half_to_float(m[g]) * x[g];
-    return sum;
-  };
-  const int64_t row_bytes = K / 2;
+inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
+                     const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid) {
+  float out[8];
 #ifdef HARDY_AVX2
-  auto codes = [=](int64_t o, int64_t b) { return unpack_q4(W + o * row_bytes + b * 16); };
-#else
-  auto codes = [=](int64_t o, int64_t b, int8_t* out) {
-    for (int i = 0; i < 16; ++i) {
-      const uint8_t byte = W[o * row_bytes + b * 16 + i];
-      out[i] = (int8_t)(byte & 0x0f);
-      out[16 + i] = (int8_t)(byte >> 4);
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
+    const int64_t b1 = std::min(nb, b0 + bpg);
+    __m256 part = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* w = W + b * 128;
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES + 64), _MM_HINT_T0);
+      const int8_t* x = xq + b * QK;
+      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        int32_t lo4, hi4;
+        std::memcpy(&lo4, x + 4 * c, 4);
+        std::memcpy(&hi4, x + 16 + 4 * c, 4);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+        d0 = dot_acc(d0, _mm256_and_si256(v, low), _mm256_set1_epi32(lo4));
+        d1 = dot_acc(d1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi32(hi4));
+      }
+      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(dx[b]), part);
     }
-  };
+    acc = _mm256_fmadd_ps(part, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 8 * g))), acc);
+    acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(M + 8 * g))),
+                              _mm256_set1_ps(xg[g]), acc_min);
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
+#else
+  for (int r = 0; r < 8; ++r) {
+    float acc = 0.f;
+    for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
+      const int64_t b1 = std::min(nb, b0 + bpg);
+      float part = 0.f;
+      for (int64_t b = b0; b < b1; ++b) {
+        int32_t dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = W[b * 128 + 32 * c + 4 * r + i];
+            dot += (byte & 0x0f) * xq[b * QK + 4 * c + i] + (byte >> 4) * xq[b * QK + 16 + 4 * c + i];
+          }
+        part += dx[b] * (float)dot;
+      }
+      acc += half_to_float(S[8 * g + r]) * part + half_to_float(M[8 * g + r]) * xg[g];
+    }
+    out[r] = acc;
+  }
 #endif
-  return rows_job<2, false>(T, K, N, G, bpg, S, in, codes, min_term, true, Y);
+  std::memcpy(y, out, valid * sizeof(float));
 }
 
-Job q8_job(const QuantizedInput& in, const torch::Tensor& codes_in, const torch::Tensor& scales, int64_t group,
-           float* Y) {
-  TORCH_CHECK(codes_in.dtype() == torch::kInt8 && codes_in.is_contiguous(), "codes: contiguous int8 [N, K]");
-  check_input(in.codes, scales, codes_in.size(1), group);
-  const int64_t T = in.codes.size(0), K = in.codes.size(1), N = codes_in.size(0), G = scales.size(1);
-  const int8_t* W = codes_in.data_ptr<int8_t>();
+Job q4_job(const QuantizedInput& in, const torch::Tensor& tiled, const torch::Tensor& scales, const torch::Tensor& mins,
+           int64_t group, int64_t N, float* Y) {
+  const int64_t T = in.T, K = in.K, nb = K / QK;
+  TORCH_CHECK(tiled.dtype() == torch::kUInt8 && tiled.is_contiguous() && tiled.size(1) * 2 == K &&
+              tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
+              "int4 weights: contiguous uint8 [rows rounded up to 8, K/2] in the tiled layout");
+  const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
+  TORCH_CHECK(group % QK == 0 && scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+              scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G && scales.size(2) == 8 &&
+              mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kFloat16 && mins.is_contiguous(),
+              "int4 scales and mins: contiguous fp16 [tiles, groups, 8]");
+  const uint8_t* W = tiled.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  // Σ_g min_g · Σ_{k in g} x_k: the grid's offset needs only each group's activation sum.
+  auto xg = std::make_shared<std::vector<float>>(T * G, 0.f);
+  const float* XS = in.sums.data();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) (*xg)[t * G + b / bpg] += XS[t * nb + b];
+  const int8_t* XQ = in.codes.data();
+  const float* DX = in.scales.data();
+  auto run = [=](int64_t begin, int64_t end) {
 #ifdef HARDY_AVX2
-  auto codes = [=](int64_t o, int64_t b) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + o * K + b * QK));
-  };
-#else
-  auto codes = [=](int64_t o, int64_t b, int8_t* out) { std::memcpy(out, W + o * K + b * QK, QK); };
+    // the tiles' own prefetch runs PF_BYTES ahead: start the first PF_BYTES of this range now
+    const char* first = reinterpret_cast<const char*>(W + begin * 4 * K);
+    for (int64_t off = 0, n = std::min<int64_t>(PF_BYTES, (end - begin) * 4 * K); off < n; off += 64)
+      _mm_prefetch(first + off, _MM_HINT_T0);
 #endif
-  auto no_min = [](int64_t, int64_t) { return 0.f; };
-  return rows_job<1, true>(T, K, N, G, group / QK, S, in, codes, no_min, false, Y);
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t t = 0; t < T; ++t)
+        q4_tile8(W + i * 4 * K, S + i * G * 8, M + i * G * 8, XQ + t * K, DX + t * nb, xg->data() + t * G, nb, G,
+                 bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
+  };
+  return Job{run, tiles};
+}
+
+// One int8 row (symmetric codes, an fp16 scale per group) against one quantized activation row;
+// groups outermost so no division runs in the inner loop. The byte multiply-add takes one unsigned
+// operand: |x| times w·sign(x).
+inline float q8_row(const int8_t* w, const uint16_t* s, const int8_t* xq, const float* dx, int64_t nb, int64_t G,
+                    int64_t bpg) {
+#ifdef HARDY_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
+    const int64_t b1 = std::min(nb, b0 + bpg);
+    const float scale = half_to_float(s[g]);
+    __m256 part = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QK));
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+      const __m256i dot = dot_block(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(bpg == 1 ? dx[b] * scale : dx[b]), part);
+    }
+    acc = bpg == 1 ? _mm256_add_ps(acc, part) : _mm256_fmadd_ps(part, _mm256_set1_ps(scale), acc);
+  }
+  return hsum8(acc);
+#else
+  float acc = 0.f;
+  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
+    const int64_t b1 = std::min(nb, b0 + bpg);
+    float part = 0.f;
+    for (int64_t b = b0; b < b1; ++b) {
+      int32_t dot = 0;
+      for (int i = 0; i < QK; ++i) dot += (int32_t)w[b * QK + i] * xq[b * QK + i];
+      part += dx[b] * (float)dot;
+    }
+    acc += half_to_float(s[g]) * part;
+  }
+  return acc;
+#endif
+}
+
+Job q8_job(const QuantizedInput& in, const torch::Tensor& codes, const torch::Tensor& scales, int64_t group, float* Y) {
+  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.is_contiguous(), "codes: contiguous int8 [N, K]");
+  check_input(in, scales, codes.size(1), group);
+  const int64_t T = in.T, K = in.K, N = codes.size(0), G = scales.size(1), nb = K / QK, bpg = group / QK;
+  const int8_t* W = codes.data_ptr<int8_t>();
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const int8_t* XQ = in.codes.data();
+  const float* DX = in.scales.data();
+  auto run = [=](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t t = 0; t < T; ++t) Y[t * N + o] = q8_row(W + o * K, S + o * G, XQ + t * K, DX + t * nb, nb, G, bpg);
+  };
+  return Job{run, N};
 }
 
 torch::Tensor flat_rows(const torch::Tensor& x_in) {
@@ -293,35 +324,44 @@ torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x_in) {
 
 }  // namespace
 
-// y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group
-torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group) {
+// y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group, o < rows;
+// the weights in the tiled layout (q4_job)
+torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor tiled, torch::Tensor scales, torch::Tensor mins, int64_t group,
+                      int64_t rows) {
   const QuantizedInput in(flat_rows(x_in));  // any leading shape: [..., K] -> [..., N], as [T, K] rows
-  auto y = torch::empty({in.codes.size(0), packed.size(0)}, torch::kFloat32);
-  run_jobs({q4_job(in, packed, scales, mins, group, y.data_ptr<float>())});
+  auto y = torch::empty({in.T, rows}, torch::kFloat32);
+  run_jobs({q4_job(in, tiled, scales, mins, group, rows, y.data_ptr<float>())});
   return shaped(y, x_in);
 }
 
 // y[t, o] = sum_k x[t, k] * code[o, k] * scale[o, g]  (int8 symmetric; group 0 = per row)
 torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes, torch::Tensor scales, int64_t group) {
   const QuantizedInput in(flat_rows(x_in));
-  auto y = torch::empty({in.codes.size(0), codes.size(0)}, torch::kFloat32);
+  auto y = torch::empty({in.T, codes.size(0)}, torch::kFloat32);
   run_jobs({q8_job(in, codes, scales, group, y.data_ptr<float>())});
   return shaped(y, x_in);
 }
 
 // Several matrices applied to the same x [T, K]: x is quantized once and all rows share one
-// parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8).
+// parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8), dims
+// (group, rows) per matrix.
 std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
-                                      const std::vector<int64_t>& groups) {
+                                      const std::vector<int64_t>& dims) {
+  TORCH_CHECK(w.size() == 3 * (dims.size() / 2) && dims.size() % 2 == 0, "three tensors and two sizes per matrix");
   const QuantizedInput in(flat_rows(x));
   std::vector<torch::Tensor> outs;
   std::vector<Job> jobs;
-  for (size_t i = 0; i < groups.size(); ++i) {
+  for (size_t i = 0; i < dims.size() / 2; ++i) {
     const auto& qw = w[3 * i];
-    outs.push_back(torch::empty({in.codes.size(0), qw.size(0)}, torch::kFloat32));
+    const int64_t group = dims[2 * i], rows = dims[2 * i + 1];
+    outs.push_back(torch::empty({in.T, rows}, torch::kFloat32));
     float* Y = outs.back().data_ptr<float>();
-    jobs.push_back(qw.scalar_type() == torch::kUInt8 ? q4_job(in, qw, w[3 * i + 1], w[3 * i + 2], groups[i], Y)
-                                                     : q8_job(in, qw, w[3 * i + 1], groups[i], Y));
+    if (qw.scalar_type() == torch::kUInt8) {
+      jobs.push_back(q4_job(in, qw, w[3 * i + 1], w[3 * i + 2], group, rows, Y));
+    } else {
+      TORCH_CHECK(qw.size(0) == rows, "int8 codes: one row per output");
+      jobs.push_back(q8_job(in, qw, w[3 * i + 1], group, Y));
+    }
   }
   run_jobs(jobs);
   return outs;
@@ -330,7 +370,10 @@ std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_gemv", &q4_gemv, "int4 group-wise weights x int8-quantized activations");
   m.def("q8_gemv", &q8_gemv, "int8 weights x int8-quantized activations");
-  m.def("decode_layer", &decode_layer, "one transformer block for one new token per row (quantized linears)");
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, double, int64_t>(),
+           "norms (2 per block), w (21 per block), dims (14 per block), eps, head_dim")
+      .def("__call__", &DecodeStack::operator(), "x, positions, cos, sin, K caches, V caches -> x after every block");
   m.def("has_vnni", []() {
 #if defined(HARDY_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return true;

@@ -2,10 +2,20 @@
 #pragma once
 #include <torch/extension.h>
 
-torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group);
+torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor tiled, torch::Tensor scales, torch::Tensor mins, int64_t group,
+                      int64_t rows);
 torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes, torch::Tensor scales, int64_t group);
 std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
-                                      const std::vector<int64_t>& groups);
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor attn_norm, torch::Tensor ffn_norm, double eps, std::vector<torch::Tensor> w,
-                           std::vector<int64_t> groups, torch::Tensor kc, torch::Tensor vc, int64_t head_dim);
+                                      const std::vector<int64_t>& dims);
+// All transformer blocks of a model for one new token per row (decode_layer.cpp): built once with
+// the blocks' weights, so a decode step passes only the activations and the KV caches.
+struct DecodeStack {
+  DecodeStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> w, std::vector<int64_t> dims, double eps,
+              int64_t head_dim);
+  torch::Tensor operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                           std::vector<torch::Tensor> kcs, std::vector<torch::Tensor> vcs) const;
+  std::vector<torch::Tensor> norms, w;  // per block: attention and FFN norm; 7 x (qweight, scales, mins)
+  std::vector<int64_t> dims;            // per block: 7 x (group, rows)
+  double eps;
+  int64_t head_dim;
+};
