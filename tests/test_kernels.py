@@ -70,11 +70,13 @@ def test_int4_tiled_layout_is_a_lossless_relayout(ext):
     other.load_state_dict(stored)
     assert torch.equal(other.qweight, layer.qweight) and torch.equal(other.dequantized_weight(), weight)
 
-    emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, QuantSpec(4, 32)))
-    tokens = torch.tensor([[3, 59], [56, 0]])
-    before = emb(tokens)
-    kernels.make_kernel(emb.table, ext)
-    assert emb.table.tiled and torch.equal(emb(tokens), before)
+    for spec in (QuantSpec(4, 32), QuantSpec(8, 0)):  # lookups then dequantize in C++, to the same floats
+        emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, spec))
+        tokens = torch.tensor([[3, 59], [56, 0]])
+        before = emb(tokens)
+        kernels.make_kernel(emb.table, ext)
+        assert emb.table.lookup is not None and emb.table.tiled == (spec.bits == 4)
+        assert torch.equal(emb(tokens), before)
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2"])

@@ -145,6 +145,10 @@ def make_kernel(layer, module):
             return fused(x)
         return fused(x.float().contiguous()).to(x.dtype)
 
+    empty = torch.empty(0, dtype=torch.float16)
+    # embedding lookups (a decode step's one row per sequence) dequantize in C++ from the same bytes
+    layer.lookup = lambda rows: module.dequant_rows(layer.qweight, layer.scales,
+                                                    empty if layer.mins is None else layer.mins, group, rows)
     return kernel
 
 

@@ -26,7 +26,8 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensor)
         if "mins" not in self._buffers:
             self.mins = None
-        self.kernel = None  # set by hardy.compress.kernels.prepare()
+        self.kernel = None  # set by hardy.compress.kernels.prepare(), with `lookup` (rows -> float rows)
+        self.lookup = None
         self.tiled = False  # int4 tensors re-laid for the kernel (prepare); state_dict() stays in stored layout
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -93,6 +94,8 @@ class QuantEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self.table
         rows = tokens.reshape(-1)
+        if t.lookup is not None:
+            return t.lookup(rows.long().contiguous()).reshape(*tokens.shape, t.in_features)
         q = QuantTensor.from_packed(t.stored(rows), t.spec, (rows.numel(), t.in_features))
         return q.dequantize().reshape(*tokens.shape, t.in_features)
 

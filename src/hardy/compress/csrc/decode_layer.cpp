@@ -48,9 +48,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   const float* W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
-    double ss = 0.0;
-    for (int64_t i = 0; i < D; ++i) ss += (double)X[b * D + i] * X[b * D + i];
-    const float r = 1.f / std::sqrt((float)(ss / D) + (float)eps);
+    const float r = 1.f / std::sqrt(dot(X + b * D, X + b * D, D) / D + (float)eps);
     for (int64_t i = 0; i < D; ++i) Y[b * D + i] = X[b * D + i] * r * W[i];
   }
   return y;

@@ -367,9 +367,49 @@ std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<
   return outs;
 }
 
+// Some rows of a quantized matrix, dequantized to float [n, K]: embedding lookups (the tied table
+// is the LM head's, so int4 arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
+torch::Tensor dequant_rows(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t group,
+                           torch::Tensor rows) {
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && qweight.is_contiguous() &&
+              scales.scalar_type() == torch::kFloat16 && scales.is_contiguous(), "int64 row ids, contiguous tables");
+  const bool int4 = qweight.scalar_type() == torch::kUInt8;
+  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0), nb = K / QK;
+  const int64_t G = scales.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % QK == 0 && group % QK == 0 && (!int4 || (mins.sizes() == scales.sizes() && scales.dim() == 3)),
+              "dequant_rows: int8 codes or tiled int4");
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  const int64_t* R = rows.data_ptr<int64_t>();
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* Y = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = R[i];
+    TORCH_CHECK(r >= 0 && r < N, "row id out of range");
+    float* y = Y + i * K;
+    if (int4) {
+      const uint8_t* W = qweight.data_ptr<uint8_t>() + (r / 8) * 4 * K;
+      const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+      const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = W[b * 128 + 32 * c + 4 * lane + j];
+            const int64_t k = b * QK + 4 * c + j, g0 = k / group, g1 = (k + 16) / group;
+            y[k] = (float)(byte & 0x0f) * half_to_float(S[base + g0 * 8]) + half_to_float(M[base + g0 * 8]);
+            y[k + 16] = (float)(byte >> 4) * half_to_float(S[base + g1 * 8]) + half_to_float(M[base + g1 * 8]);
+          }
+    } else {
+      const int8_t* W = qweight.data_ptr<int8_t>() + r * K;
+      for (int64_t k = 0; k < K; ++k) y[k] = (float)W[k] * half_to_float(S[r * G + k / group]);
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_gemv", &q4_gemv, "int4 group-wise weights x int8-quantized activations");
   m.def("q8_gemv", &q8_gemv, "int8 weights x int8-quantized activations");
+  m.def("dequant_rows", &dequant_rows, "some rows of an int8 or tiled int4 matrix as float");
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, double, int64_t>(),
            "norms (2 per block), w (21 per block), dims (14 per block), eps, head_dim")
