@@ -138,6 +138,19 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {  // acc + dot_block(
 }
 #endif
 
+// The portable build's product of one row: Σ_g scale(g) · Σ_{b in g} dx[b] · dot(b), where dot(b)
+// is the integer dot product of block b and dx[b] its activation scale.
+template <typename Dot, typename Scale>
+inline float scalar_groups(int64_t G, int64_t nb, int64_t bpg, const float* dx, Dot dot, Scale scale) {
+  float acc = 0.f;
+  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
+    float part = 0.f;
+    for (int64_t b = b0; b < std::min(nb, b0 + bpg); ++b) part += dx[b] * (float)dot(b);
+    acc += scale(g) * part;
+  }
+  return acc;
+}
+
 // A Job computes a range of one matrix's tiles (int8: single rows; int4: tiles of 8 rows); the
 // closure owns copies of everything it reads besides the tensors' storage, so a job can outlive
 // the call that made it.
@@ -202,22 +215,17 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
 #else
   for (int r = 0; r < 8; ++r) {
-    float acc = 0.f;
-    for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
-      const int64_t b1 = std::min(nb, b0 + bpg);
-      float part = 0.f;
-      for (int64_t b = b0; b < b1; ++b) {
-        int32_t dot = 0;
-        for (int c = 0; c < 4; ++c)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = W[b * 128 + 32 * c + 4 * r + i];
-            dot += (byte & 0x0f) * xq[b * QK + 4 * c + i] + (byte >> 4) * xq[b * QK + 16 + 4 * c + i];
-          }
-        part += dx[b] * (float)dot;
-      }
-      acc += half_to_float(S[8 * g + r]) * part + half_to_float(M[8 * g + r]) * xg[g];
-    }
-    out[r] = acc;
+    auto dot = [&](int64_t b) {
+      int32_t sum = 0;
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = W[b * 128 + 32 * c + 4 * r + i];
+          sum += (byte & 0x0f) * xq[b * QK + 4 * c + i] + (byte >> 4) * xq[b * QK + 16 + 4 * c + i];
+        }
+      return sum;
+    };
+    out[r] = scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(S[8 * g + r]); });
+    for (int64_t g = 0; g < G; ++g) out[r] += half_to_float(M[8 * g + r]) * xg[g];
   }
 #endif
   std::memcpy(y, out, valid * sizeof(float));
@@ -280,18 +288,12 @@ inline float q8_row(const int8_t* w, const uint16_t* s, const int8_t* xq, const 
   }
   return hsum8(acc);
 #else
-  float acc = 0.f;
-  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
-    const int64_t b1 = std::min(nb, b0 + bpg);
-    float part = 0.f;
-    for (int64_t b = b0; b < b1; ++b) {
-      int32_t dot = 0;
-      for (int i = 0; i < QK; ++i) dot += (int32_t)w[b * QK + i] * xq[b * QK + i];
-      part += dx[b] * (float)dot;
-    }
-    acc += half_to_float(s[g]) * part;
-  }
-  return acc;
+  auto dot = [&](int64_t b) {
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) sum += (int32_t)w[b * QK + i] * xq[b * QK + i];
+    return sum;
+  };
+  return scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(s[g]); });
 #endif
 }
 
