@@ -179,10 +179,9 @@ void run_jobs(const std::vector<Job>& jobs) {
 // and mins as [tiles, groups, 8]. One 256-bit load then holds four codes of each of 8 rows, so the
 // byte multiply-add against the same four activations broadcast leaves row r's dot product in lane
 // r: no horizontal sums, and the scales of 8 rows apply in one vector product (llama.cpp repacks
-// Q4_0 this way; measured here 2x the row-at-a-time loop, BENCHMARKS.md).
-#ifndef PF_BYTES
-#define PF_BYTES 16384
-#endif
+// Q4_0 this way; SmolLM2 int4 decode 133 -> 184 tokens/s from this alone, BENCHMARKS.md).
+// Each block also prefetches the weights PF_BYTES ahead (16 KB measured best of 4-64 KB).
+constexpr int64_t PF_BYTES = 16384;
 inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
                      const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid) {
   float out[8];
