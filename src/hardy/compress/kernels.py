@@ -127,28 +127,29 @@ def untile_q4(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tens
     return {name: t[:rows] for name, t in out.items()}
 
 
+_NO_MINS = torch.empty(0, dtype=torch.float16)  # int8 (symmetric) layers have no mins
+
+
+def kernel_tensors(layer) -> list[torch.Tensor]:
+    """(qweight, scales, mins) as the extension takes them: mins empty for int8."""
+    return [layer.qweight, layer.scales, _NO_MINS if layer.mins is None else layer.mins]
+
+
 def make_kernel(layer, module):
     """x [..., in] -> [..., out] for a supported layer (an int4 one is re-laid in the kernel's tiled
     layout, in place of the stored one). Decode calls this ~200 times per token (SmolLM2), so the
     common case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
     group, rows = kernel_group(layer), layer.out_features
     if layer.spec.bits == 4:
-        layer.set_tiled(True)
-        def fused(x):
-            return module.q4_gemv(x, layer.qweight, layer.scales, layer.mins, group, rows)
-    else:
-        def fused(x):
-            return module.q8_gemv(x, layer.qweight, layer.scales, group)
+        layer.use_tiled_layout()
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.is_contiguous():
-            return fused(x)
-        return fused(x.float().contiguous()).to(x.dtype)
+            return module.qgemv(x, *kernel_tensors(layer), group, rows)
+        return module.qgemv(x.float().contiguous(), *kernel_tensors(layer), group, rows).to(x.dtype)
 
-    empty = torch.empty(0, dtype=torch.float16)
     # embedding lookups (a decode step's one row per sequence) dequantize in C++ from the same bytes
-    layer.lookup = lambda rows: module.dequant_rows(layer.qweight, layer.scales,
-                                                    empty if layer.mins is None else layer.mins, group, rows)
+    layer.lookup = lambda ids: module.dequant_rows(*kernel_tensors(layer), group, ids)
     return kernel
 
 

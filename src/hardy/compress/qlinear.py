@@ -33,14 +33,14 @@ class QuantLinear(nn.Module):
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in ("qweight", "scales", "mins") if getattr(self, name) is not None}
 
-    def set_tiled(self, tiled: bool) -> None:
-        from hardy.compress.kernels import tile_q4, untile_q4
+    def use_tiled_layout(self) -> None:
+        """Re-lay int4 tensors for the kernel (hardy.compress.kernels.tile_q4), once."""
+        from hardy.compress.kernels import tile_q4
 
-        if tiled != self.tiled:
-            tensors = tile_q4(self._tensors()) if tiled else untile_q4(self._tensors(), self.out_features)
-            for name, tensor in tensors.items():
+        if not self.tiled:
+            for name, tensor in tile_q4(self._tensors()).items():
                 setattr(self, name, tensor)  # replaces the buffer: one copy of the weights either way
-            self.tiled = tiled
+            self.tiled = True
 
     def stored(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """qweight/scales/mins in the stored layout (docs/quantization.md), all rows or some."""

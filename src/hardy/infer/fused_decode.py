@@ -13,7 +13,7 @@ import torch
 
 
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
-    from hardy.compress.kernels import kernel_group
+    from hardy.compress.kernels import kernel_group, kernel_tensors
     from hardy.compress.qlinear import QuantLinear
     from hardy.model.llama import BLOCK_LINEARS
 
@@ -22,8 +22,7 @@ def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
         layer = block.get_submodule(name)
         if not isinstance(layer, QuantLinear) or layer.kernel is None:
             return None
-        mins = layer.mins if layer.mins is not None else torch.empty(0, dtype=torch.float16)
-        tensors += [layer.qweight, layer.scales, mins]
+        tensors += kernel_tensors(layer)
         dims += [kernel_group(layer), layer.out_features]
     return tensors, dims
 

@@ -325,24 +325,6 @@ torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x_in) {
 
 }  // namespace
 
-// y[t, o] = sum_k x[t, k] * (code[o, k] * scale[o, g] + min[o, g]),  g = k / group, o < rows;
-// the weights in the tiled layout (q4_job)
-torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor tiled, torch::Tensor scales, torch::Tensor mins, int64_t group,
-                      int64_t rows) {
-  const QuantizedInput in(flat_rows(x_in));  // any leading shape: [..., K] -> [..., N], as [T, K] rows
-  auto y = torch::empty({in.T, rows}, torch::kFloat32);
-  run_jobs({q4_job(in, tiled, scales, mins, group, rows, y.data_ptr<float>())});
-  return shaped(y, x_in);
-}
-
-// y[t, o] = sum_k x[t, k] * code[o, k] * scale[o, g]  (int8 symmetric; group 0 = per row)
-torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes, torch::Tensor scales, int64_t group) {
-  const QuantizedInput in(flat_rows(x_in));
-  auto y = torch::empty({in.T, codes.size(0)}, torch::kFloat32);
-  run_jobs({q8_job(in, codes, scales, group, y.data_ptr<float>())});
-  return shaped(y, x_in);
-}
-
 // Several matrices applied to the same x [T, K]: x is quantized once and all rows share one
 // parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8), dims
 // (group, rows) per matrix.
@@ -366,6 +348,13 @@ std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<
   }
   run_jobs(jobs);
   return outs;
+}
+
+// One matrix: y[t, o] = sum_k x[t, k] * w[o, k] for o < rows, x of any leading shape [..., K];
+// int4: w = code * scale + min (tiled layout, q4_job), int8: w = code * scale (mins empty).
+torch::Tensor qgemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t group,
+                    int64_t rows) {
+  return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
 }
 
 // Some rows of a quantized matrix, dequantized to float [n, K]: embedding lookups (the tied table
@@ -408,8 +397,7 @@ torch::Tensor dequant_rows(torch::Tensor qweight, torch::Tensor scales, torch::T
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_gemv", &q4_gemv, "int4 group-wise weights x int8-quantized activations");
-  m.def("q8_gemv", &q8_gemv, "int8 weights x int8-quantized activations");
+  m.def("qgemv", &qgemv, "int8 or int4 group-wise weights x int8-quantized activations");
   m.def("dequant_rows", &dequant_rows, "some rows of an int8 or tiled int4 matrix as float");
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, double, int64_t>(),

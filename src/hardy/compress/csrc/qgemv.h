@@ -2,9 +2,6 @@
 #pragma once
 #include <torch/extension.h>
 
-torch::Tensor q4_gemv(torch::Tensor x_in, torch::Tensor tiled, torch::Tensor scales, torch::Tensor mins, int64_t group,
-                      int64_t rows);
-torch::Tensor q8_gemv(torch::Tensor x_in, torch::Tensor codes, torch::Tensor scales, int64_t group);
 std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
                                       const std::vector<int64_t>& dims);
 // All transformer blocks of a model for one new token per row (decode_layer.cpp): built once with
