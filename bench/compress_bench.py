@@ -1,6 +1,8 @@
 """Quality of every compression setting on one model: perplexity (llama.cpp protocol) on evaluation
 text the model never saw, the change against the dense model, and the mean layer-output error on
-calibration data against plain RTN's — with the orderings issue 6 asks for checked at the end.
+calibration data against plain RTN's — with the orderings issue 6 asks for checked at the end, each
+perplexity ordering with its paired difference over the same chunks (z = Δ mean NLL / its standard
+error; |z| < 2 is within the chunk-to-chunk noise of this evaluation text).
 
     .venv/bin/python bench/compress_bench.py --model runs/small --calib-data wikitext2-valid \
         --eval-data wikitext2-test --ctx 512
@@ -48,7 +50,7 @@ def main() -> None:
     from hardy.cli.compress import calibration_batch
     from hardy.compress.pipeline import CompressConfig, compress_model
     from hardy.data.text import read_text
-    from hardy.eval.perplexity import perplexity
+    from hardy.eval.perplexity import paired_difference, perplexity
     from hardy.formats.load import load_model
 
     loaded = load_model(args.model)
@@ -60,12 +62,13 @@ def main() -> None:
         tokens = tokens[:args.max_tokens]
     base = {k: v.clone() for k, v in loaded.model.state_dict().items()}
 
-    def evaluate() -> float:
+    def evaluate():
         return perplexity(loaded.model, tokens, ctx=args.ctx, bos_id=tok.bos_id, add_bos=tok.add_bos,
-                          batch_size=args.batch).ppl
+                          batch_size=args.batch)
 
     t0 = time.perf_counter()
-    dense = evaluate()
+    dense_result = evaluate()
+    dense = dense_result.ppl
     print(f"{args.model}: dense PPL {dense:.4f} on {len(tokens)} tokens of {args.eval_data} "
           f"(llama.cpp protocol, ctx {args.ctx}; {time.perf_counter() - t0:.0f} s); calibration {calib.shape[0]} x "
           f"{calib.shape[1]} tokens of {args.calib_data}", flush=True)
@@ -80,18 +83,24 @@ def main() -> None:
         t0 = time.perf_counter()
         result = compress_model(loaded.model, cfg, calib, progress=False)
         took = time.perf_counter() - t0
-        ppl = evaluate()
+        evaluated = evaluate()
+        ppl = evaluated.ppl
         err = statistics.fmean(r.output_error for r in result.reports)
         rtn_errs = [r.rtn_output_error for r in result.reports if r.rtn_output_error is not None]
         rtn_err = statistics.fmean(rtn_errs) if rtn_errs else None
         name = label(q, b, g, p, s)
-        results[name] = (ppl, err, rtn_err)
+        results[name] = (ppl, err, rtn_err, evaluated)
         print(f"| {name} | {ppl:.4f} | {100 * (ppl / dense - 1):+.2f}% | {err:.4f} | "
               f"{'-' if rtn_err is None else f'{rtn_err:.4f}'} | {took:.0f} |", flush=True)
         del result
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print()
     checks = []
+
+    def vs(x, ref) -> str:
+        d = paired_difference(ref[3], x[3])
+        return f"{x[0]:.4f} vs {ref[0]:.4f} (z = {d.z:+.1f}{'' if d.significant() else ', within noise'})"
+
     if "rtn int8 per-channel" in results:
         d = results["rtn int8 per-channel"][0] / dense - 1
         checks.append(("int8 RTN ΔPPL ≤ 0.5%", abs(d) <= 0.005, f"{100 * d:+.2f}%"))
@@ -100,7 +109,7 @@ def main() -> None:
         for m in ("gptq", "awq"):
             x = results.get(f"{m} int{b} g{g}")
             if r and x:
-                checks.append((f"{m} int{b} g{g}: PPL ≤ RTN", x[0] <= r[0], f"{x[0]:.4f} vs {r[0]:.4f}"))
+                checks.append((f"{m} int{b} g{g}: PPL ≤ RTN", x[0] <= r[0], vs(x, r)))
                 checks.append((f"{m} int{b} g{g}: layer error ≥ 10% below RTN", x[1] <= 0.9 * x[2],
                                f"{x[1]:.4f} vs {x[2]:.4f}"))
     for s in ("0.5", "2:4"):
@@ -108,7 +117,7 @@ def main() -> None:
         for m in ("wanda", "sparsegpt"):
             x = results.get(f"{m} {s}")
             if mag and x:
-                checks.append((f"{m} {s}: PPL < magnitude", x[0] < mag[0], f"{x[0]:.4f} vs {mag[0]:.4f}"))
+                checks.append((f"{m} {s}: PPL < magnitude", x[0] < mag[0], vs(x, mag)))
     for what, ok, detail in checks:
         print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hardy.errors import HardyError
-from hardy.eval.perplexity import perplexity, plan_chunks, summarize
+from hardy.eval.perplexity import paired_difference, perplexity, plan_chunks, summarize
 
 
 class TableModel(nn.Module):
@@ -72,6 +72,8 @@ def test_llamacpp_protocol_on_a_table_model(batch_size):
     mean = sum(expected) / n
     var = sum(x * x for x in expected) / n - mean * mean
     assert result.n_scored == 9 and result.n_chunks == 3
+    assert result.chunk_nll == pytest.approx([sum(expected[3 * c:3 * c + 3]) / 3 for c in range(3)], rel=1e-6)
+    assert "chunk_nll" not in result.to_dict()  # JSON output stays one small record
     assert result.ppl == pytest.approx(math.exp(mean), rel=1e-6)
     assert result.se == pytest.approx(math.exp(mean) * math.sqrt(var / (n - 1)), rel=1e-6)
 
@@ -105,3 +107,25 @@ def test_smollm2_perplexity_on_a_short_slice(smollm2):
     result = perplexity(smollm2.model, tokens, ctx=512)
     assert result.n_scored == 510
     assert 5 < result.ppl < 60  # a 135M model on WikiText: ~20; a broken import gives thousands
+
+
+def test_paired_difference_separates_a_real_change_from_chunk_noise():
+    vocab, ctx = 11, 8
+    tokens = torch.randint(0, vocab, (8 * 200,), generator=torch.Generator().manual_seed(3)).tolist()
+    a = perplexity(TableModel(vocab, seed=0), tokens, ctx=ctx, batch_size=16)
+    same = paired_difference(a, a)
+    assert same.delta == 0 and same.z == 0 and not same.significant()
+    worse_model = TableModel(vocab, seed=0)
+    worse_model.table = worse_model.table * 2  # sharper wrong guesses: worse on uniformly random text
+    worse = perplexity(worse_model, tokens, ctx=ctx, batch_size=16)
+    d = paired_difference(a, worse)
+    diffs = torch.tensor(worse.chunk_nll, dtype=torch.float64) - torch.tensor(a.chunk_nll, dtype=torch.float64)
+    assert d.n == 200 and d.delta == pytest.approx(diffs.mean().item())
+    assert d.se == pytest.approx(diffs.std().item() / math.sqrt(200))
+    assert d.delta > 0 and d.significant(), d
+    assert paired_difference(worse, a).z == pytest.approx(-d.z)
+    # a difference far smaller than the chunk-to-chunk spread is not significant
+    tiny = type(a)(**{**a.__dict__, "chunk_nll": tuple(x + 1e-3 * (-1) ** i for i, x in enumerate(a.chunk_nll))})
+    assert not paired_difference(a, tiny).significant()
+    with pytest.raises(ValueError):
+        paired_difference(a, perplexity(TableModel(vocab), tokens[:80], ctx=ctx))

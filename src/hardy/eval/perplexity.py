@@ -12,7 +12,7 @@ after the first of each window scored; a shorter final window is scored too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +44,43 @@ class PerplexityResult:
     n_tokens: int
     protocol: str
     ctx: int
+    # mean NLL of each chunk, in stream order: the unit for paired comparisons of two models
+    chunk_nll: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     def line(self) -> str:
         return (f"PPL = {self.ppl:.4f} +/- {self.se:.5f}  ({self.protocol} protocol, ctx {self.ctx}, "
                 f"{self.n_chunks} chunks, {self.n_scored} scored tokens of {self.n_tokens})")
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "chunk_nll"}
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """B's mean NLL minus A's over the same chunks, with the standard error of that mean. Chunks, not
+    tokens, are the independent units: the tokens of one chunk share a context and move together."""
+    delta: float
+    se: float
+    n: int
+
+    @property
+    def z(self) -> float:
+        if self.se > 0:
+            return self.delta / self.se
+        return 0.0 if self.delta == 0 else math.copysign(math.inf, self.delta)
+
+    def significant(self, z: float = 2.0) -> bool:
+        return abs(self.z) >= z
+
+
+def paired_difference(a: PerplexityResult, b: PerplexityResult) -> PairedDifference:
+    """Is B's perplexity really different from A's on this text, or within the chunk-to-chunk noise?"""
+    if not a.chunk_nll or len(a.chunk_nll) != len(b.chunk_nll):
+        raise ValueError("paired_difference needs two results over the same chunks")
+    d = torch.tensor(b.chunk_nll, dtype=torch.float64) - torch.tensor(a.chunk_nll, dtype=torch.float64)
+    n = d.numel()
+    se = (d.std().item() / math.sqrt(n)) if n > 1 else 0.0
+    return PairedDifference(delta=d.mean().item(), se=se, n=n)
 
 
 def plan_chunks(n_tokens: int, ctx: int, protocol: str) -> list[Chunk]:
@@ -132,5 +162,6 @@ def perplexity(model, tokens: list[int], ctx: int = 512, protocol: str = "llama.
         bar.close()
     all_nll = torch.cat(nlls)
     ppl, se, mean = summarize(all_nll)
+    per_chunk = tuple(part.double().mean().item() for part in all_nll.split([c.n_scored for c in chunks]))
     return PerplexityResult(ppl=ppl, se=se, nll_mean=mean, n_scored=all_nll.numel(), n_chunks=len(chunks),
-                            n_tokens=len(tokens), protocol=protocol, ctx=ctx)
+                            n_tokens=len(tokens), protocol=protocol, ctx=ctx, chunk_nll=per_chunk)
