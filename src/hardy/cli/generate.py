@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s at the end")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (float models, one process; ~10-20%% faster decode "
+                        "on CPU after a one-off compile of about a minute for SmolLM2)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
     p.set_defaults(func=run)
@@ -33,6 +36,8 @@ def run(args) -> int:
                               top_p=args.top_p, seed=args.seed)
     if args.tp < 1:
         raise HardyError(f"--tp must be >= 1 (got {args.tp})")
+    if args.compile and args.tp > 1:
+        raise HardyError("--compile is for one process; drop it or --tp")
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
         from hardy.formats.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
@@ -40,6 +45,14 @@ def run(args) -> int:
         check_tp(args.model, config_for(args.model), args.tp)  # bad input fails here, before any process starts
         return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
+    compile_step = args.compile
+    if compile_step:
+        from hardy.infer.generate import compile_blocker
+
+        reason = compile_blocker(loaded.model)
+        if reason:  # said, not silently dropped: the fused kernels are this model's fast path
+            print(f"note: --compile not applied: {reason}", file=sys.stderr)
+            compile_step = False
     rank = 0
     if args.tp > 1:
         from hardy.infer.tensor_parallel import shard_model
@@ -65,12 +78,14 @@ def run(args) -> int:
         sys.stdout.write(stream.step(token))
         sys.stdout.flush()
 
-    result = generate(loaded.model, prompt, sampling, stop_ids=stop, use_cache=not args.no_cache, on_token=emit)
+    result = generate(loaded.model, prompt, sampling, stop_ids=stop, use_cache=not args.no_cache, on_token=emit,
+                      compile=compile_step)
     sys.stdout.write("\n")
     if args.stats:
         s = result.stats
         print(f"prefill: {s.prompt_tokens} tokens in {s.prefill_s:.3f} s ({s.prefill_tps:.1f} tokens/s); "
-              f"decode: {s.new_tokens} tokens in {s.decode_s:.3f} s ({s.decode_tps:.1f} tokens/s)", file=sys.stderr)
+              f"decode: {s.new_tokens} tokens in {s.decode_s:.3f} s ({s.decode_tps:.1f} tokens/s)"
+              + (f"; compile: {s.compile_s:.1f} s" if s.compile_s else ""), file=sys.stderr)
     if args.tp > 1:
         from hardy.parallel.distributed import destroy
 

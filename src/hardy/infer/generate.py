@@ -32,6 +32,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    compile_s: float = 0.0  # torch.compile of the decode step (before decoding; not in decode_s)
 
     @property
     def prefill_tps(self) -> float:
@@ -75,11 +76,49 @@ def next_logits(model, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
     return model.output(model.hidden_states(tokens, start_pos)[0, -1])
 
 
+def _decode_step(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return model.output(model.hidden_states(tokens, positions)[:, -1])
+
+
+_compiled_step = None
+
+
+def compile_blocker(model) -> str | None:
+    """Why `torch.compile` of the decode step does not apply to this model, or None when it does."""
+    from hardy.compress.qlinear import QuantLinear
+
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        return "quantized layers run hardy's own C++ kernels (one fused call for all blocks), which compile cannot trace"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "a tensor-parallel model's steps run through collectives; compile is for one process"
+    return None
+
+
+def compiled_decode_step(model):
+    """The cached single-token step under `torch.compile` (float models): positions are a tensor and
+    attention spans the whole static cache, masked, so every step has the same shapes and the step
+    compiles once per generation instead of once per length."""
+    global _compiled_step
+    reason = compile_blocker(model)
+    if reason:
+        raise HardyError(f"--compile does not apply: {reason}")
+    if _compiled_step is None:
+        _compiled_step = torch.compile(_decode_step, dynamic=False)
+    return _compiled_step
+
+
 @torch.inference_mode()
 def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] | None = None,
-             use_cache: bool = True, on_token: Callable[[int], None] | None = None) -> Generation:
+             use_cache: bool = True, on_token: Callable[[int], None] | None = None,
+             compile: bool = False) -> Generation:
+    """`compile`: run the decode steps through `compiled_decode_step` (compiled before the prefill;
+    the time is reported as `stats.compile_s`)."""
     if not prompt:
         raise HardyError("the prompt is empty")
+    if compile and not use_cache:
+        raise HardyError("--compile compiles the cached decode step; it cannot be combined with --no-cache")
     total = len(prompt) + cfg.max_new_tokens
     if total > model.cfg.max_seq_len:
         raise HardyError(f"prompt ({len(prompt)}) + max new tokens ({cfg.max_new_tokens}) exceeds the model's "
@@ -90,9 +129,17 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
     out: list[int] = []
     if cfg.max_new_tokens == 0:
         return Generation(out, stats)
+    step = compiled_decode_step(model) if compile and cfg.max_new_tokens > 1 else None
     if use_cache:
         model.setup_kv_cache(1, total)
     try:
+        if step is not None:
+            model.reset_rope(max(total, model._rope_len))  # the compiled step never resizes the tables
+            t0 = time.perf_counter()
+            # Compiles (or checks its guards). It writes cache position total - 1, which no step reads:
+            # the last token fed back sits at total - 2, and each row only sees positions <= its own.
+            step(model, torch.tensor([prompt[-1:]]), torch.tensor([total - 1]))
+            stats.compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         logits = next_logits(model, torch.tensor([prompt]), 0)
         stats.prefill_s = time.perf_counter() - t0
@@ -104,7 +151,9 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
                 on_token(token)
             if token in stop_ids or len(out) >= cfg.max_new_tokens:
                 break
-            if use_cache:
+            if step is not None:
+                logits = step(model, torch.tensor([[token]]), torch.tensor([len(prompt) + len(out) - 1]))[0]
+            elif use_cache:
                 logits = next_logits(model, torch.tensor([[token]]), len(prompt) + len(out) - 1)
             else:
                 logits = next_logits(model, torch.tensor([prompt + out]), 0)

@@ -82,9 +82,12 @@ class KVCache(nn.Module):
         """Write k/v at `start` (an int for the whole batch, or a [batch] tensor: one position per row
         for single-token decoding of sequences of different lengths); return keys/values so far."""
         if isinstance(start, torch.Tensor):
-            b, end = k.shape[0], int(start.max()) + 1
-            if end > self.k.shape[2]:
-                raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
+            if torch.compiler.is_compiling():  # static shapes: the whole cache, masked by the caller
+                b, end = k.shape[0], self.k.shape[2]
+            else:
+                b, end = k.shape[0], int(start.max()) + 1
+                if end > self.k.shape[2]:
+                    raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
             rows = torch.arange(b, device=k.device)
             self.k[rows, :, start] = k[:, :, 0]
             self.v[rows, :, start] = v[:, :, 0]
@@ -238,7 +241,9 @@ class Transformer(nn.Module):
         per_row = isinstance(start_pos, torch.Tensor)
         if per_row and tokens.shape[1] != 1:
             raise ValueError("per-row positions are for single-token decoding")
-        end = (int(start_pos.max()) if per_row else start_pos) + tokens.shape[1]
+        # A compiled decode step reads no position back to Python (that would break the graph): its
+        # caller sized the RoPE tables for the whole generation first.
+        end = 0 if torch.compiler.is_compiling() else (int(start_pos.max()) if per_row else start_pos) + tokens.shape[1]
         if end > self._rope_len:
             if end > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {end} positions exceeds max_seq_len {self.cfg.max_seq_len}")
