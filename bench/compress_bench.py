@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--calib-data", default="wikitext2-valid")
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq", type=int, default=512)
+    ap.add_argument("--calib-seed", type=int, default=0, help="which calibration windows are drawn")
     ap.add_argument("--eval-data", default="wikitext2-test")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=None)
@@ -56,7 +57,7 @@ def main() -> None:
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     seq = min(args.calib_seq, loaded.config.max_seq_len)
-    calib = calibration_batch(tok, read_text(args.calib_data), args.calib_samples, seq, seed=0)
+    calib = calibration_batch(tok, read_text(args.calib_data), args.calib_samples, seq, seed=args.calib_seed)
     tokens = tok.encode(read_text(args.eval_data))
     if args.max_tokens:
         tokens = tokens[:args.max_tokens]
