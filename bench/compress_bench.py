@@ -99,7 +99,7 @@ def main() -> None:
     checks = []
 
     def vs(x, ref) -> str:
-        d = paired_difference(ref[3], x[3])
+        d = paired_difference(ref[3].chunk_nll, x[3].chunk_nll)
         return f"{x[0]:.4f} vs {ref[0]:.4f} (z = {d.z:+.1f}{'' if d.significant() else ', within noise'})"
 
     if "rtn int8 per-channel" in results:

@@ -8,7 +8,7 @@ import torch
 
 from conftest import run_hardy
 from hardy.eval.compare import CompareRow, pareto, quality
-from hardy.eval.perplexity import perplexity
+from hardy.eval.perplexity import paired_difference, perplexity
 from hardy.formats.load import load_model
 
 
@@ -20,8 +20,12 @@ def test_quality_matches_perplexity_and_kl_definitions(mini_run):
             p.add_(torch.randn_like(p) * 0.01)
     tokens = ref.tokenizer.encode((mini_run / "heldout.txt").read_text())[:2048]
     rows = quality([ref.model, ref.model, other.model], tokens, 128, "llama.cpp", None, False, batch_size=4)
-    assert rows[0]["ppl"] == pytest.approx(perplexity(ref.model, tokens, ctx=128).ppl, rel=1e-9)
-    assert rows[2]["ppl"] == pytest.approx(perplexity(other.model, tokens, ctx=128).ppl, rel=1e-9)
+    alone = [perplexity(m.model, tokens, ctx=128) for m in (ref, other)]
+    assert rows[0]["ppl"] == pytest.approx(alone[0].ppl, rel=1e-9)
+    assert rows[2]["ppl"] == pytest.approx(alone[1].ppl, rel=1e-9)
+    # the paired z: over the same chunks as two separate evaluations; the reference against itself is 0
+    assert rows[2]["ppl_z"] == pytest.approx(paired_difference(alone[0].chunk_nll, alone[1].chunk_nll).z, rel=1e-6)
+    assert rows[2]["ppl_z"] != 0 and rows[1]["ppl_z"] == 0 and rows[0]["ppl_z"] == 0
     assert rows[1]["kl"] == pytest.approx(0.0, abs=1e-9) and rows[1]["top1"] == 1.0  # itself
     assert rows[2]["kl"] > 0 and rows[2]["top1"] < 1.0
     # KL by hand on the first chunk's scored positions (64..126)
@@ -54,6 +58,7 @@ def test_cli_compare_table_json_and_plot(mini_run, tmp_path):
     assert rows[0]["kl"] == 0 and 0 < rows[1]["kl"] < 0.01 and rows[1]["top1"] > 0.95
     assert rows[1]["size_bytes"] < rows[0]["size_bytes"]
     assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["peak_rss_bytes"] > 10 << 20 for r in rows)
-    assert (tmp_path / "c.png").stat().st_size > 10_000 and "KL (nats)" in proc.stdout
+    assert (tmp_path / "c.png").stat().st_size > 10_000 and "KL (nats)" in proc.stdout and "z vs ref" in proc.stdout
+    assert rows[0]["ppl_z"] == 0 and rows[1]["ppl_z"] is not None
     bad = run_hardy("eval", "compare", "--model", str(mini_run / "run"), "--data", "tinyshakespeare")
     assert bad.returncode == 2 and "at least two" in bad.stderr

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hardy.errors import HardyError
-from hardy.eval.perplexity import chunk_batches, plan_chunks, summarize
+from hardy.eval.perplexity import chunk_batches, paired_difference, plan_chunks, summarize
 
 
 @dataclass
@@ -31,6 +31,9 @@ class CompareRow:
     kl: float  # mean KL(reference ‖ model) per scored token, nats
     top1: float  # share of scored positions where the argmax agrees with the reference's
     size_bytes: int
+    # Δ mean NLL vs the reference over the same chunks / its standard error: |z| < 2 is within the
+    # chunk-to-chunk noise of this text (the reference's own row: 0)
+    ppl_z: float = 0.0
     peak_rss_bytes: int | None = None
     prefill_tps: float | None = None
     decode_tps: float | None = None
@@ -53,9 +56,11 @@ def size_on_disk(spec: str) -> int:
 @torch.inference_mode()
 def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: int | None, add_bos: bool,
             batch_size: int = 1, progress: bool = False) -> list[dict]:
-    """Per model: ppl, se, and KL / top-1 agreement against models[0], on the same positions."""
+    """Per model: ppl, se, and KL / top-1 agreement against models[0], on the same positions; the
+    perplexity difference to models[0] as a paired z over chunks."""
     chunks = plan_chunks(len(tokens), ctx, protocol)
     nlls = [[] for _ in models]
+    per_chunk = [[] for _ in models]  # each chunk's mean NLL, for the paired difference
     kl_sum = [0.0] * len(models)
     agree = [0] * len(models)
     scored = 0
@@ -72,6 +77,7 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
             hidden = model.hidden_states(batch)[:, first:last + 1]
             logp = F.log_softmax(model.output(hidden).float().flatten(0, 1), dim=-1)
             nlls[m].append(-logp.gather(1, targets[:, None])[:, 0])
+            per_chunk[m].extend(nlls[m][-1].view(len(group), -1).double().mean(-1).tolist())
             if m == 0:
                 ref_logp = logp
             else:
@@ -86,7 +92,8 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
     for m in range(len(models)):
         ppl, se, _ = summarize(torch.cat(nlls[m]))
         out.append({"ppl": ppl, "ppl_se": se, "kl": kl_sum[m] / scored if m else 0.0,
-                    "top1": agree[m] / scored if m else 1.0})
+                    "top1": agree[m] / scored if m else 1.0,
+                    "ppl_z": paired_difference(per_chunk[0], per_chunk[m]).z if m else 0.0})
     return out
 
 
@@ -171,14 +178,16 @@ def plot(rows: list[CompareRow], out: Path, title: str) -> None:
 
 
 def format_table(rows: list[CompareRow]) -> str:
-    header = ["model", "PPL", "±", "KL (nats)", "top-1", "size MB", "peak RSS MB", "prefill tok/s", "decode tok/s"]
+    header = ["model", "PPL", "±", "z vs ref", "KL (nats)", "top-1", "size MB", "peak RSS MB", "prefill tok/s",
+              "decode tok/s"]
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
     lines = [header]
     for r in rows:
-        lines.append([r.model, f"{r.ppl:.4f}", f"{r.ppl_se:.4f}", f(r.kl, ".5f"), f(100 * r.top1, ".2f") + "%",
+        lines.append([r.model, f"{r.ppl:.4f}", f"{r.ppl_se:.4f}", f"{r.ppl_z:+.1f}", f(r.kl, ".5f"),
+                      f(100 * r.top1, ".2f") + "%",
                       f"{r.size_bytes / 1e6:.1f}", f(r.peak_rss_bytes and r.peak_rss_bytes / 2 ** 20, ".0f"),
                       f(r.prefill_tps, ".1f"), f(r.decode_tps, ".1f")])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -187,7 +196,8 @@ def format_table(rows: list[CompareRow]) -> str:
 
 
 def rows_to_json(rows: list[CompareRow]) -> list[dict]:
-    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()} for r in rows]
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(r).items()}
+            for r in rows]
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ after the first of each window scored; a shorter final window is scored too.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,11 +74,12 @@ class PairedDifference:
         return abs(self.z) >= z
 
 
-def paired_difference(a: PerplexityResult, b: PerplexityResult) -> PairedDifference:
-    """Is B's perplexity really different from A's on this text, or within the chunk-to-chunk noise?"""
-    if not a.chunk_nll or len(a.chunk_nll) != len(b.chunk_nll):
-        raise ValueError("paired_difference needs two results over the same chunks")
-    d = torch.tensor(b.chunk_nll, dtype=torch.float64) - torch.tensor(a.chunk_nll, dtype=torch.float64)
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> PairedDifference:
+    """Is B's perplexity really different from A's on this text, or within the chunk-to-chunk noise?
+    `a`, `b`: the two models' mean NLL of each chunk (`PerplexityResult.chunk_nll`), same chunks."""
+    if not a or len(a) != len(b):
+        raise ValueError("paired_difference needs two models' NLLs over the same chunks")
+    d = torch.tensor(b, dtype=torch.float64) - torch.tensor(a, dtype=torch.float64)
     n = d.numel()
     se = (d.std().item() / math.sqrt(n)) if n > 1 else 0.0
     return PairedDifference(delta=d.mean().item(), se=se, n=n)
