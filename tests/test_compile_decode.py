@@ -1,5 +1,5 @@
 """`generate --compile`: the decode step under torch.compile gives the eager tokens and logits, and
-compiles once per generation (static shapes), not once per step."""
+compiles once per (rounded) cache size — static shapes — not once per step or per length."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +17,7 @@ def mini_model(mini_run):
 def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
     from torch._dynamo.utils import counters
 
-    from hardy.infer.generate import SamplingConfig, compiled_decode_step, generate, next_logits
+    from hardy.infer.generate import COMPILED_CACHE_STEP, SamplingConfig, compiled_decode_step, generate, next_logits
 
     prompt, cfg = [5, 80, 13, 200, 41], SamplingConfig(max_new_tokens=24)
     eager = generate(mini_model, prompt, cfg)
@@ -33,7 +33,7 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
     with torch.inference_mode():
         logits = {}
         for name in ("eager", "compiled"):
-            mini_model.setup_kv_cache(1, total)
+            mini_model.setup_kv_cache(1, min(COMPILED_CACHE_STEP, mini_model.cfg.max_seq_len))  # generate's size
             mini_model.hidden_states(torch.tensor([prompt]), 0)
             rows = []
             for pos in range(len(prompt), total):
@@ -43,6 +43,9 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
             logits[name] = torch.stack(rows)
             mini_model.clear_kv_cache()
     assert counters["stats"]["unique_graphs"] == 1  # same shapes again: no recompile
+    longer = generate(mini_model, prompt + [7, 7, 7], SamplingConfig(max_new_tokens=40), compile=True)
+    assert counters["stats"]["unique_graphs"] == 1  # another length, the same rounded cache size
+    assert longer.tokens == generate(mini_model, prompt + [7, 7, 7], SamplingConfig(max_new_tokens=40)).tokens
     diff = (logits["compiled"] - logits["eager"]).abs().max() / logits["eager"].abs().max()
     assert diff < 1e-4, diff
 

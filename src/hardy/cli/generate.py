@@ -20,7 +20,7 @@ def register(sub) -> None:
     p.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s at the end")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (float models, one process; SmolLM2 fp32 decode "
-                        "1.10x faster here after a one-off ~40 s compile)")
+                        "1.07-1.10x faster here after a one-off ~40 s compile)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
     p.set_defaults(func=run)

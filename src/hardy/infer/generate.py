@@ -81,6 +81,9 @@ def _decode_step(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.
 
 
 _compiled_step = None
+# Cache sizes of a compiled decode are rounded up to this many positions, so generations of similar
+# lengths share one compiled graph; the extra positions are masked (attention cost only).
+COMPILED_CACHE_STEP = 256
 
 
 def compile_blocker(model) -> str | None:
@@ -98,8 +101,8 @@ def compile_blocker(model) -> str | None:
 
 def compiled_decode_step(model):
     """The cached single-token step under `torch.compile` (float models): positions are a tensor and
-    attention spans the whole static cache, masked, so every step has the same shapes and the step
-    compiles once per generation instead of once per length."""
+    attention spans the whole static cache, masked, so every step has the same shapes: one compile
+    per cache size (`generate` rounds it up to COMPILED_CACHE_STEP), not one per length."""
     global _compiled_step
     reason = compile_blocker(model)
     if reason:
@@ -130,15 +133,18 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
     if cfg.max_new_tokens == 0:
         return Generation(out, stats)
     step = compiled_decode_step(model) if compile and cfg.max_new_tokens > 1 else None
+    cache_len = total
+    if step is not None:
+        cache_len = min(model.cfg.max_seq_len, -(-total // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
     if use_cache:
-        model.setup_kv_cache(1, total)
+        model.setup_kv_cache(1, cache_len)
     try:
         if step is not None:
-            model.reset_rope(max(total, model._rope_len))  # the compiled step never resizes the tables
+            model.reset_rope(max(cache_len, model._rope_len))  # the compiled step never resizes the tables
             t0 = time.perf_counter()
-            # Compiles (or checks its guards). It writes cache position total - 1, which no step reads:
+            # Compiles (or checks its guards). It writes the cache's last position, which no step reads:
             # the last token fed back sits at total - 2, and each row only sees positions <= its own.
-            step(model, torch.tensor([prompt[-1:]]), torch.tensor([total - 1]))
+            step(model, torch.tensor([prompt[-1:]]), torch.tensor([cache_len - 1]))
             stats.compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         logits = next_logits(model, torch.tensor([prompt]), 0)
