@@ -82,10 +82,11 @@ class KVCache(nn.Module):
         """Write k/v at `start` (an int for the whole batch, or a [batch] tensor: one position per row
         for single-token decoding of sequences of different lengths); return keys/values so far."""
         if isinstance(start, torch.Tensor):
+            b = k.shape[0]
             if torch.compiler.is_compiling():  # static shapes: the whole cache, masked by the caller
-                b, end = k.shape[0], self.k.shape[2]
+                end = self.k.shape[2]
             else:
-                b, end = k.shape[0], int(start.max()) + 1
+                end = int(start.max()) + 1
                 if end > self.k.shape[2]:
                     raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
             rows = torch.arange(b, device=k.device)
