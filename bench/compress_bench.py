@@ -43,14 +43,23 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--kl", action="store_true",
+                    help="also KL divergence and top-1 agreement against the dense model on the same positions "
+                         "(runs the dense model beside each setting: evaluation takes twice as long)")
     ap.add_argument("--settings", default="all", help="all, or a comma list of indices into the table")
+    ap.add_argument("--prune-layers", default=None,
+                    help="prune only these linears of each block (comma list of wq,wk,wv,wo,w1,w2,w3): "
+                         "which layers make a pruning method win or lose")
     args = ap.parse_args()
+
+    import copy
 
     import torch
 
     from hardy.cli.compress import calibration_batch
     from hardy.compress.pipeline import CompressConfig, compress_model
     from hardy.data.text import read_text
+    from hardy.eval.compare import quality
     from hardy.eval.perplexity import paired_difference, perplexity
     from hardy.formats.load import load_model
 
@@ -63,44 +72,66 @@ def main() -> None:
         tokens = tokens[:args.max_tokens]
     base = {k: v.clone() for k, v in loaded.model.state_dict().items()}
 
-    def evaluate():
-        return perplexity(loaded.model, tokens, ctx=args.ctx, bos_id=tok.bos_id, add_bos=tok.add_bos,
-                          batch_size=args.batch)
+    dense_model = copy.deepcopy(loaded.model) if args.kl else None
+
+    def evaluate() -> dict:
+        """ppl and each chunk's mean NLL; with --kl also kl and top1 against the dense model."""
+        if dense_model is None:
+            r = perplexity(loaded.model, tokens, ctx=args.ctx, bos_id=tok.bos_id, add_bos=tok.add_bos,
+                           batch_size=args.batch)
+            return {"ppl": r.ppl, "chunk_nll": r.chunk_nll}
+        return quality([dense_model, loaded.model], tokens, args.ctx, "llama.cpp", tok.bos_id, tok.add_bos,
+                       batch_size=args.batch)[1]
 
     t0 = time.perf_counter()
-    dense_result = evaluate()
-    dense = dense_result.ppl
+    dense = evaluate()["ppl"]
     print(f"{args.model}: dense PPL {dense:.4f} on {len(tokens)} tokens of {args.eval_data} "
           f"(llama.cpp protocol, ctx {args.ctx}; {time.perf_counter() - t0:.0f} s); calibration {calib.shape[0]} x "
           f"{calib.shape[1]} tokens of {args.calib_data}", flush=True)
     settings = ALL if args.settings == "all" else [ALL[int(i)] for i in args.settings.split(",")]
-    print("| setting | PPL | vs dense | layer-output error | RTN's error | compress s |")
-    print("|---|---|---|---|---|---|")
+    prune_layers = tuple(args.prune_layers.split(",")) if args.prune_layers else ()
+    if prune_layers:
+        print(f"pruning only {','.join(prune_layers)} of each block")
+    # "cols ≤10% kept": input columns of the pruned linears with under a tenth of their weights left,
+    # i.e. an input feature as good as removed (a mask that follows ‖X_j‖ more than |W| does this)
+    kl_head = " KL vs dense | top-1 |" if args.kl else ""
+    print(f"| setting | PPL | vs dense |{kl_head} layer-output error | RTN's error | cols ≤10% kept | compress s |")
+    print("|---|---|---|" + "---|---|" * args.kl + "---|---|---|---|")
     results = {}
     for q, b, g, p, s in settings:
         loaded.model.load_state_dict(base)
         cfg = CompressConfig(quant=q, bits=b or 4, group_size=g or 0, prune=p, sparsity=s or "0.5",
-                             calib_samples=calib.shape[0], calib_seq=calib.shape[1])
+                             prune_layers=prune_layers if p else (), calib_samples=calib.shape[0],
+                             calib_seq=calib.shape[1])
         t0 = time.perf_counter()
         result = compress_model(loaded.model, cfg, calib, progress=False)
         took = time.perf_counter() - t0
         evaluated = evaluate()
-        ppl = evaluated.ppl
-        err = statistics.fmean(r.output_error for r in result.reports)
+        ppl = evaluated["ppl"]
+        # the mean over the layers the setting changed (with --prune-layers the others are exact)
+        changed = [r for r in result.reports
+                   if q or not p or cfg.prunes(r.name.split(".", 2)[2].removesuffix(".weight"))]
+        err = statistics.fmean(r.output_error for r in changed)
+        dropped = "-"
+        if p:
+            cols = torch.cat([(result.state[r.name] != 0).float().mean(0) < 0.1 for r in changed])
+            dropped = f"{100 * cols.float().mean().item():.1f}%"
         rtn_errs = [r.rtn_output_error for r in result.reports if r.rtn_output_error is not None]
         rtn_err = statistics.fmean(rtn_errs) if rtn_errs else None
         name = label(q, b, g, p, s)
         results[name] = (ppl, err, rtn_err, evaluated)
-        print(f"| {name} | {ppl:.4f} | {100 * (ppl / dense - 1):+.2f}% | {err:.4f} | "
-              f"{'-' if rtn_err is None else f'{rtn_err:.4f}'} | {took:.0f} |", flush=True)
+        kl_cells = f" {evaluated['kl']:.5f} | {100 * evaluated['top1']:.2f}% |" if args.kl else ""
+        print(f"| {name} | {ppl:.4f} | {100 * (ppl / dense - 1):+.2f}% |{kl_cells} {err:.4f} | "
+              f"{'-' if rtn_err is None else f'{rtn_err:.4f}'} | {dropped} | {took:.0f} |", flush=True)
         del result
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print()
     checks = []
 
     def vs(x, ref) -> str:
-        d = paired_difference(ref[3].chunk_nll, x[3].chunk_nll)
-        return f"{x[0]:.4f} vs {ref[0]:.4f} (z = {d.z:+.1f}{'' if d.significant() else ', within noise'})"
+        d = paired_difference(ref[3]["chunk_nll"], x[3]["chunk_nll"])
+        kl = f"; KL vs dense {x[3]['kl']:.5f} vs {ref[3]['kl']:.5f}" if args.kl else ""
+        return f"{x[0]:.4f} vs {ref[0]:.4f} (z = {d.z:+.1f}{'' if d.significant() else ', within noise'}{kl})"
 
     if "rtn int8 per-channel" in results:
         d = results["rtn int8 per-channel"][0] / dense - 1

@@ -26,6 +26,7 @@ def test_quality_matches_perplexity_and_kl_definitions(mini_run):
     # the paired z: over the same chunks as two separate evaluations; the reference against itself is 0
     assert rows[2]["ppl_z"] == pytest.approx(paired_difference(alone[0].chunk_nll, alone[1].chunk_nll).z, rel=1e-6)
     assert rows[2]["ppl_z"] != 0 and rows[1]["ppl_z"] == 0 and rows[0]["ppl_z"] == 0
+    assert rows[2]["chunk_nll"] == pytest.approx(alone[1].chunk_nll, rel=1e-9)  # for pairing any two models
     assert rows[1]["kl"] == pytest.approx(0.0, abs=1e-9) and rows[1]["top1"] == 1.0  # itself
     assert rows[2]["kl"] > 0 and rows[2]["top1"] < 1.0
     # KL by hand on the first chunk's scored positions (64..126)

@@ -18,6 +18,9 @@ def register(sub) -> None:
                    help="input columns per scale (0 = per output channel); default 0 for 8 bits, 128 below")
     p.add_argument("--prune", choices=["magnitude", "wanda", "sparsegpt"], default=None)
     p.add_argument("--sparsity", default="0.5", help="fraction of weights removed (0.5) or N:M (2:4)")
+    p.add_argument("--prune-layers", default=None,
+                   help="prune only these linears of every block, comma-separated from wq,wk,wv,wo,w1,w2,w3 "
+                        "(default: all)")
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="also quantize the embedding table (and the tied LM head) with RTN")
     p.add_argument("--no-act-order", action="store_true", help="GPTQ: quantize columns in their natural order")
@@ -53,6 +56,7 @@ def run(args) -> int:
 
     group = args.group_size if args.group_size is not None else (0 if args.bits == 8 else 128)
     cfg = CompressConfig(quant=args.quant, bits=args.bits, group_size=group, prune=args.prune, sparsity=args.sparsity,
+                         prune_layers=tuple(n.strip() for n in args.prune_layers.split(",")) if args.prune_layers else (),
                          quantize_embeddings=args.quantize_embeddings, act_order=not args.no_act_order,
                          damp=args.damp, calib_samples=args.calib_samples, calib_seq=args.calib_seq, seed=args.seed)
     text = read_text(args.calib_data) if args.calib_data else None  # bad input fails before the model loads
@@ -88,7 +92,8 @@ def run(args) -> int:
                             "seq": int(calib.shape[1]) if calib is not None else 0},
             "report": report}
     save_compressed(mcfg, result.state, result.quantized, loaded.tokenizer, args.out, meta)
-    what = " + ".join(x for x in (f"{cfg.prune} {cfg.sparsity}" if cfg.prune else "",
+    pruned = f"{cfg.prune} {cfg.sparsity}" + (f" of {','.join(cfg.prune_layers)}" if cfg.prune_layers else "")
+    what = " + ".join(x for x in (pruned if cfg.prune else "",
                                   f"{cfg.quant} int{cfg.bits} g{group}" if cfg.quant else "") if x)
     line = f"compressed {args.model} ({what}) in {seconds:.1f} s: mean layer-output error {report['mean_output_error']:.4f}"
     if report["mean_rtn_output_error"] is not None and cfg.quant != "rtn":

@@ -97,6 +97,7 @@ def run_compare(args) -> int:
     del loaded
     rows = []
     for spec, size, q in zip(args.model, sizes, results):
+        q.pop("chunk_nll")
         row = CompareRow(model=spec, size_bytes=size, **q)
         if not args.no_speed:
             s = measure_speed(spec, args.threads, args.prompt_tokens, args.new_tokens)

@@ -25,6 +25,8 @@ LINEARS = {"attention.wq": "attn_in", "attention.wk": "attn_in", "attention.wv":
            "feed_forward.w2": "ffn_mid"}
 # The first linear reading each distinct input: its pre-hook records that input for all its readers.
 INPUT_READERS = {kind: name for name, kind in reversed(LINEARS.items())}
+# `--prune-layers` names a linear by its last component (wq, ..., w3), the same in every block.
+SHORT_NAMES = {name.rsplit(".", 1)[1]: name for name in LINEARS}
 SAMPLE_TOKENS = 2048  # tokens kept per input for AWQ's searches and the error report
 
 
@@ -35,6 +37,7 @@ class CompressConfig:
     group_size: int = 128
     prune: str | None = None
     sparsity: str = "0.5"
+    prune_layers: tuple[str, ...] = ()  # short names of the linears to prune; () = all of them
     quantize_embeddings: bool = False
     act_order: bool = True
     damp: float = 0.01
@@ -54,8 +57,19 @@ class CompressConfig:
             self.spec()
         if self.prune is not None:
             prune.Sparsity.parse(self.sparsity)
+        if self.prune_layers:
+            if self.prune is None:
+                raise HardyError("--prune-layers needs --prune")
+            unknown = [n for n in self.prune_layers if n not in SHORT_NAMES]
+            if unknown or len(set(self.prune_layers)) != len(self.prune_layers):
+                raise HardyError(f"--prune-layers takes distinct names from {','.join(SHORT_NAMES)} "
+                                 f"(got {','.join(self.prune_layers)})")
         if self.calib_samples < 1 or self.calib_seq < 2:
             raise HardyError("--calib-samples must be >= 1 and --calib-seq >= 2")
+
+    def prunes(self, name: str) -> bool:
+        """Is the linear `name` (as in LINEARS) pruned?"""
+        return self.prune is not None and (not self.prune_layers or name.rsplit(".", 1)[1] in self.prune_layers)
 
     def spec(self) -> QuantSpec:
         return QuantSpec(bits=self.bits, group_size=self.group_size)
@@ -203,6 +217,8 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
             masks = {}
             if sparsity is not None:
                 for name, kind in LINEARS.items():
+                    if not cfg.prunes(name):
+                        continue
                     lin = block.get_submodule(name)
                     h = inputs[kind][0]
                     if cfg.prune == "magnitude":

@@ -57,7 +57,8 @@ def size_on_disk(spec: str) -> int:
 def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: int | None, add_bos: bool,
             batch_size: int = 1, progress: bool = False) -> list[dict]:
     """Per model: ppl, se, and KL / top-1 agreement against models[0], on the same positions; the
-    perplexity difference to models[0] as a paired z over chunks."""
+    perplexity difference to models[0] as a paired z over chunks; each chunk's mean NLL (`chunk_nll`,
+    for pairing any two of the models)."""
     chunks = plan_chunks(len(tokens), ctx, protocol)
     nlls = [[] for _ in models]
     per_chunk = [[] for _ in models]  # each chunk's mean NLL, for the paired difference
@@ -93,7 +94,8 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
         ppl, se, _ = summarize(torch.cat(nlls[m]))
         out.append({"ppl": ppl, "ppl_se": se, "kl": kl_sum[m] / scored if m else 0.0,
                     "top1": agree[m] / scored if m else 1.0,
-                    "ppl_z": paired_difference(per_chunk[0], per_chunk[m]).z if m else 0.0})
+                    "ppl_z": paired_difference(per_chunk[0], per_chunk[m]).z if m else 0.0,
+                    "chunk_nll": tuple(per_chunk[m])})
     return out
 
 
