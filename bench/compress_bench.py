@@ -89,7 +89,7 @@ def main() -> None:
           f"(llama.cpp protocol, ctx {args.ctx}; {time.perf_counter() - t0:.0f} s); calibration {calib.shape[0]} x "
           f"{calib.shape[1]} tokens of {args.calib_data}", flush=True)
     settings = ALL if args.settings == "all" else [ALL[int(i)] for i in args.settings.split(",")]
-    prune_layers = tuple(args.prune_layers.split(",")) if args.prune_layers else ()
+    prune_layers = tuple(n.strip() for n in args.prune_layers.split(",")) if args.prune_layers else ()
     if prune_layers:
         print(f"pruning only {','.join(prune_layers)} of each block")
     # "cols ≤10% kept": input columns of the pruned linears with under a tenth of their weights left,
@@ -110,7 +110,7 @@ def main() -> None:
         ppl = evaluated["ppl"]
         # the mean over the layers the setting changed (with --prune-layers the others are exact)
         changed = [r for r in result.reports
-                   if q or not p or cfg.prunes(r.name.split(".", 2)[2].removesuffix(".weight"))]
+                   if q or not p or cfg.prunes(r.linear)]
         err = statistics.fmean(r.output_error for r in changed)
         dropped = "-"
         if p:

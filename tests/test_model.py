@@ -51,6 +51,21 @@ def test_unknown_preset_and_bad_config():
         get_preset("gpt-5")
     with pytest.raises(HardyError, match="multiple of n_kv_heads"):
         ModelConfig(vocab_size=10, dim=64, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=8)
+    with pytest.raises(HardyError, match=r"dropout must be in \[0, 1\)"):
+        get_preset("micro").replace(dropout=1.0)
+
+
+def test_dropout_acts_only_in_training_mode():
+    plain, dropped = build_model(get_preset("micro"), seed=1), build_model(get_preset("micro").replace(dropout=0.3), seed=1)
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain.eval(), dropped.eval()
+    assert torch.equal(dropped(tokens), plain(tokens))  # inference: no dropout at all
+    dropped.train()
+    torch.manual_seed(5)
+    a = dropped(tokens)
+    torch.manual_seed(5)
+    assert torch.equal(dropped(tokens), a)  # the masks come from the global RNG
+    assert (a - plain(tokens)).abs().max() > 1e-3
 
 
 def test_llama31_rope_scaling_matches_transformers():

@@ -25,6 +25,7 @@ def train_cli(*args):
     ("parallel.tp=3", "1 is not divisible by 3"),
     ("parallel.dp_replicate=2", "multiply to 2, but the world size is 1"),
     ("model.preset=gpt9", "model.preset"),
+    ("model.dropout=1.5", "model.dropout must be in [0, 1)"),
 ])
 def test_bad_config_values_exit_2(tmp_path, override, fragment):
     proc = train_cli("--run-dir", str(tmp_path / "r"), "--set", override)
@@ -50,15 +51,17 @@ def test_launch_validates_degrees_before_starting(tmp_path):
     assert not (tmp_path / "r").exists()  # no process was started
 
 
-def test_resume_continues_exactly(tmp_path, micro_dataset):
+@pytest.mark.parametrize("dropout", ["0", "0.2"])  # with dropout, the resumed RNG must draw the same masks
+def test_resume_continues_exactly(tmp_path, micro_dataset, dropout):
+    sets = ("checkpoint.interval=5", "checkpoint.at_end=true", f"model.dropout={dropout}")
     full = tmp_path / "full"
-    in_process(full, micro_dataset, "checkpoint.interval=5", "checkpoint.at_end=true")
+    in_process(full, micro_dataset, *sets)
     interrupted = tmp_path / "interrupted"
-    in_process(interrupted, micro_dataset, "checkpoint.interval=5", "checkpoint.at_end=true")
+    in_process(interrupted, micro_dataset, *sets)
     # Pretend the run died after step 5: drop the later checkpoint and metrics, then restart it.
     shutil.rmtree(interrupted / "checkpoints" / "step_00000010")
     (interrupted / "metrics.jsonl").unlink()
-    summary = in_process(interrupted, micro_dataset, "checkpoint.interval=5", "checkpoint.at_end=true")
+    summary = in_process(interrupted, micro_dataset, *sets)
     assert summary.steps == 10
     assert step_losses(interrupted) == step_losses(full)[5:]  # bitwise-identical losses for steps 6..10
     from hardy.formats.load import load_model

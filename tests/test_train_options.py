@@ -22,6 +22,15 @@ def test_activation_checkpointing_gives_the_same_loss(tmp_path, micro_dataset, f
     assert rel_close(step_losses(tmp_path / "ac"), fp32_losses, 1e-6)
 
 
+def test_dropout_trains_and_checkpointing_recomputes_the_same_masks(tmp_path, micro_dataset, fp32_losses):
+    in_process(tmp_path / "drop", micro_dataset, "model.dropout=0.2")
+    dropped = step_losses(tmp_path / "drop")
+    assert not rel_close(dropped, fp32_losses, 1e-3)  # the masks change the losses
+    assert dropped[-1] < dropped[0]
+    in_process(tmp_path / "drop_ac", micro_dataset, "model.dropout=0.2", "train.activation_checkpoint=full")
+    assert rel_close(step_losses(tmp_path / "drop_ac"), dropped, 1e-6)
+
+
 @pytest.mark.parametrize("dtype,tol", [("bf16", 0.02), ("fp16", 0.01)])
 def test_low_precision_tracks_fp32(tmp_path, micro_dataset, fp32_losses, dtype, tol, caplog):
     from hardy.ops.matmul_probe import has_fast_bf16

@@ -49,6 +49,12 @@ def test_tensor_parallel_matches_single_process(runs):
     assert rel_close(runs("tp2", 2, "parallel.tp=2"), runs("single", 1), RTOL)
 
 
+def test_tensor_parallel_ranks_draw_the_single_process_dropout_masks(runs):
+    dropped = runs("single_dropout", 1, "model.dropout=0.2")
+    assert not rel_close(dropped, runs("single", 1), 1e-3)
+    assert rel_close(runs("tp2_dropout", 2, "parallel.tp=2", "model.dropout=0.2"), dropped, RTOL)
+
+
 def test_hsdp_2x2_matches_ddp(runs):
     hsdp = runs("hsdp2x2", 4, "parallel.dp_replicate=2", "parallel.dp_shard=2")
     ddp_accum = runs("ddp2_accum2", 2, "train.grad_accum=2")  # the same 4 x 4 sequences per step

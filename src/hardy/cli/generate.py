@@ -87,8 +87,7 @@ def run(args) -> int:
               f"decode: {s.new_tokens} tokens in {s.decode_s:.3f} s ({s.decode_tps:.1f} tokens/s)"
               + (f"; compile: {s.compile_s:.1f} s" if s.compile_s else ""), file=sys.stderr)
     if args.tp > 1:
-        from hardy.parallel.distributed import barrier, destroy
+        from hardy.parallel.distributed import leave_together
 
-        barrier()  # no rank tears gloo down while its peer is still sending (seen: abort at exit)
-        destroy()
+        leave_together()
     return 0

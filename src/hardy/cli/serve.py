@@ -30,7 +30,7 @@ def run(args) -> int:
 
     from hardy.cli.common import load_from_args
     from hardy.errors import HardyError
-    from hardy.parallel.distributed import destroy
+    from hardy.parallel.distributed import leave_together
     from hardy.serve.api import Server
     from hardy.serve.engine import Engine, ModelRunner, context_length
 
@@ -59,7 +59,7 @@ def run(args) -> int:
         if shard_model(loaded.model, args.tp).rank != 0:  # a follower: no server, only forward passes
             sys.stdout = open(os.devnull, "w")
             follow(loaded.model, args.max_batch, context_length(loaded.model, args.context))
-            destroy()
+            leave_together()  # rank 0 said stop and meets us here
             return 0
         runner = LeaderRunner
     engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
@@ -68,6 +68,8 @@ def run(args) -> int:
         server = Server((args.host, args.port), engine, loaded.tokenizer, args.name or args.model, args.max_tokens)
     except OSError as e:
         engine.close()
+        if args.tp > 1:
+            leave_together()
         raise HardyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     host, port = server.server_address[:2]
     print(f"hardy: serving {args.name or args.model} on http://{host}:{port}/v1 (max batch {args.max_batch}, "
@@ -93,6 +95,7 @@ def run(args) -> int:
         server.serve_forever(poll_interval=0.1)
     finally:
         server.server_close()
-        engine.close()
-        destroy()  # a tensor-parallel run's process group (no-op otherwise)
+        engine.close()  # under --tp this tells the followers to stop
+        if args.tp > 1:
+            leave_together()
     return 0

@@ -61,9 +61,10 @@ class CompressConfig:
             if self.prune is None:
                 raise HardyError("--prune-layers needs --prune")
             unknown = [n for n in self.prune_layers if n not in SHORT_NAMES]
-            if unknown or len(set(self.prune_layers)) != len(self.prune_layers):
-                raise HardyError(f"--prune-layers takes distinct names from {','.join(SHORT_NAMES)} "
-                                 f"(got {','.join(self.prune_layers)})")
+            if unknown:
+                raise HardyError(f"--prune-layers: unknown {','.join(unknown)} (names: {','.join(SHORT_NAMES)})")
+            if len(set(self.prune_layers)) != len(self.prune_layers):
+                raise HardyError(f"--prune-layers names a linear twice ({','.join(self.prune_layers)})")
         if self.calib_samples < 1 or self.calib_seq < 2:
             raise HardyError("--calib-samples must be >= 1 and --calib-seq >= 2")
 
@@ -88,7 +89,8 @@ class CompressConfig:
 
 @dataclass
 class LayerReport:
-    name: str
+    name: str  # the parameter: layers.{i}.{linear}.weight
+    linear: str  # which linear of the block, as in LINEARS
     output_error: float  # ‖X(Ŵ − W)ᵀ‖ / ‖XWᵀ‖ on calibration tokens
     rtn_output_error: float | None = None  # the same for plain RTN at the same bits (quantized runs)
     sparsity: float = 0.0
@@ -254,7 +256,7 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
                 else:
                     w_hat = w
                 error = _rel_error(samples[kind], originals[name], xs, w_hat, out_scales.get(name))
-                reports.append(LayerReport(name=full, output_error=error, rtn_output_error=rtn_error,
+                reports.append(LayerReport(name=full, linear=name, output_error=error, rtn_output_error=rtn_error,
                                            sparsity=float((w_hat == 0).float().mean()) if masks else 0.0))
                 lin.weight.copy_(w_hat)
             for i in range(0, x.shape[0], chunk):

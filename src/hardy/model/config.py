@@ -36,6 +36,9 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     name: str = "custom"
+    # Residual dropout (on each attention and MLP output before it joins the residual stream), active
+    # only in training mode: a regularizer for small models trained for several epochs on little text.
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -48,6 +51,8 @@ class ModelConfig:
             problems.append(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
             problems.append(f"head_dim must be a positive even number (got {self.head_dim})")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1) (got {self.dropout})")
         if problems:
             raise HardyError("invalid model config: " + "; ".join(problems))
 

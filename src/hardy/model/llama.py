@@ -159,11 +159,16 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.dropout = cfg.dropout
+
+    def _drop(self, y: torch.Tensor) -> torch.Tensor:
+        # p = 0 calls nothing, so a model without dropout draws no random numbers and runs the same graph
+        return F.dropout(y, self.dropout, training=True) if self.training and self.dropout else y
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 start_pos: int | torch.Tensor = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, start_pos))
+        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
 
 
 class Transformer(nn.Module):

@@ -85,3 +85,10 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_together() -> None:
+    """End a run whose ranks all reach this point: wait for every peer first, so no rank tears gloo
+    down while another is still sending (seen: 'terminate called without an active exception')."""
+    barrier()
+    destroy()

@@ -91,10 +91,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     every = 1 if mode == "full" else int(mode.split(":", 1)[1])
+    # With dropout the recomputed forward must draw the same masks as the first one.
+    preserve_rng = model.cfg.dropout > 0
     wrapped = 0
     for i, block in enumerate(model.layers):
         if i % every == 0:
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
             wrapped += 1
     return wrapped
 

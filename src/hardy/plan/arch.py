@@ -107,7 +107,7 @@ def arch_from_llama(cfg: ModelConfig) -> Arch:
     counts = count_parameters(cfg)
     arch = Arch(family="llama", name=cfg.name, vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers,
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.d_head, ffn_dim=cfg.ffn_dim,
-                tie_embeddings=cfg.tie_embeddings, dropout=False, max_seq_len=cfg.max_seq_len,
+                tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout > 0, max_seq_len=cfg.max_seq_len,
                 params_total=counts.total, params_per_layer=counts.per_layer, params_embedding=counts.embedding,
                 params_head=counts.output + cfg.dim)
     object.__setattr__(arch, "_config", cfg)

@@ -64,6 +64,9 @@ class ActivationSetup:
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
     precision: str = "bf16"
+    # A dropout mask is 1 byte on GPUs (fused kernel, bool mask); PyTorch's CPU dropout keeps a mask of
+    # the activation dtype (measured: autograd saves it).
+    cpu: bool = False
 
 
 def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None = None) -> float:
@@ -89,7 +92,9 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
     if recompute == "selective":
         raise HardyError("selective recompute applies to GPT-style attention that keeps s×s scores; hardy's "
                          "Llama attention keeps none (flash SDPA): use --ac none, full or every:K")
-    replicated = tokens * (6 * arch.dim * e + 2 * 4)  # two RMSNorms (input, normalized, output) + 1/rms
+    # two RMSNorms (input, normalized, output) + 1/rms; residual dropout keeps two masks
+    masks = 2 * arch.dim * (e if a.cpu else 1) if arch.dropout else 0
+    replicated = tokens * (6 * arch.dim * e + 2 * 4 + masks)
     split = tokens * ((2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.ffn_dim) * e + 4 * arch.n_heads)
     return replicated / rep + split / t
 

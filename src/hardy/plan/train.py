@@ -189,7 +189,8 @@ def plan_train(job: TrainJob) -> TrainPlan:
     params_first, params_last = first / job.tp, last / job.tp
     params_local = max(params_first, params_last)
     act = ActivationSetup(seq=job.seq, micro_batch=job.micro_batch, tp=job.tp,
-                          sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision)
+                          sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision,
+                          cpu=job.hw.kind == "cpu")
     layers = -(-arch.n_layers // job.pp)
     full_layer = layer_activation_bytes(arch, act, "none")
     if recompute == "none":

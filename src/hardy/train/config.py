@@ -32,11 +32,13 @@ def _check(cond: bool, msg: str) -> None:
 class ModelSection:
     preset: str = "tiny"
     init_from: str = ""  # "" = from scratch; else smollm2-135m, a .gguf file or a model directory
+    dropout: float = 0.0  # residual dropout while training (the model config's `dropout`)
 
     def __post_init__(self):
         from hardy.model.config import PRESETS
 
         _check(self.preset in PRESETS, f"model.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1) (got {self.dropout})")
 
 
 @dataclass

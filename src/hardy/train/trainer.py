@@ -97,11 +97,10 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig
         if mcfg.vocab_size < vocab_size:
             raise HardyError(f"the data's tokenizer has {vocab_size} tokens but {cfg.model.init_from} has "
                              f"{mcfg.vocab_size}: prepare the data with the model's tokenizer")
-        return mcfg, loaded.model.state_dict()
+        return mcfg.replace(dropout=cfg.model.dropout), loaded.model.state_dict()
     mcfg = get_preset(cfg.model.preset)
-    if mcfg.vocab_size != vocab_size:
-        mcfg = mcfg.replace(vocab_size=vocab_size)  # the vocabulary comes from the data's tokenizer
-    return mcfg, None
+    # the vocabulary comes from the data's tokenizer; dropout is a training choice
+    return mcfg.replace(vocab_size=vocab_size, dropout=cfg.model.dropout), None
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
@@ -164,7 +163,10 @@ class Trainer:
         if self.env.is_main:
             write_json_atomic(self.run_dir / "config.json", self.resolved)
 
-        torch.manual_seed(cfg.train.seed)
+        # The global RNG draws only dropout masks (weights come from a seeded generator of their own):
+        # the ranks of one tensor-parallel group must agree (their activations are replicated), the
+        # data-parallel replicas should not.
+        torch.manual_seed(cfg.train.seed + self.dims.dp_rank(self.env.rank))
         with torch.device("meta"):
             model = Transformer(self.model_cfg)
         self.mesh = build_mesh(self.dims, self.env.device.type)
