@@ -142,6 +142,9 @@ def main() -> None:
             x = results.get(f"{m} int{b} g{g}")
             if r and x:
                 checks.append((f"{m} int{b} g{g}: PPL ≤ RTN", x[0] <= r[0], vs(x, r)))
+                if args.kl:  # fidelity to the dense model, which held-out PPL of a small model may not rank
+                    checks.append((f"{m} int{b} g{g}: KL vs dense < RTN's", x[3]["kl"] < r[3]["kl"],
+                                   f"{x[3]['kl']:.5f} vs {r[3]['kl']:.5f}"))
                 checks.append((f"{m} int{b} g{g}: layer error ≥ 10% below RTN", x[1] <= 0.9 * x[2],
                                f"{x[1]:.4f} vs {x[2]:.4f}"))
     for s in ("0.5", "2:4"):
@@ -150,6 +153,9 @@ def main() -> None:
             x = results.get(f"{m} {s}")
             if mag and x:
                 checks.append((f"{m} {s}: PPL < magnitude", x[0] < mag[0], vs(x, mag)))
+                if args.kl:
+                    checks.append((f"{m} {s}: KL vs dense < magnitude's", x[3]["kl"] < mag[3]["kl"],
+                                   f"{x[3]['kl']:.5f} vs {mag[3]['kl']:.5f}"))
     for what, ok, detail in checks:
         print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
 
