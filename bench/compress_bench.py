@@ -57,7 +57,7 @@ def main() -> None:
     import torch
 
     from hardy.cli.compress import calibration_batch
-    from hardy.compress.pipeline import CompressConfig, compress_model
+    from hardy.compress.pipeline import CompressConfig, compress_model, parse_prune_layers
     from hardy.data.text import read_text
     from hardy.eval.compare import quality
     from hardy.eval.perplexity import paired_difference, perplexity
@@ -89,7 +89,7 @@ def main() -> None:
           f"(llama.cpp protocol, ctx {args.ctx}; {time.perf_counter() - t0:.0f} s); calibration {calib.shape[0]} x "
           f"{calib.shape[1]} tokens of {args.calib_data}", flush=True)
     settings = ALL if args.settings == "all" else [ALL[int(i)] for i in args.settings.split(",")]
-    prune_layers = tuple(n.strip() for n in args.prune_layers.split(",")) if args.prune_layers else ()
+    prune_layers = parse_prune_layers(args.prune_layers)
     if prune_layers:
         print(f"pruning only {','.join(prune_layers)} of each block")
     # "cols ≤10% kept": input columns of the pruned linears with under a tenth of their weights left,

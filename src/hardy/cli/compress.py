@@ -49,14 +49,14 @@ def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
 
 def run(args) -> int:
     from hardy.cli.common import load_from_args
-    from hardy.compress.pipeline import CompressConfig, compress_model
+    from hardy.compress.pipeline import CompressConfig, compress_model, parse_prune_layers
     from hardy.compress.store import save_compressed
     from hardy.data.text import read_text
     from hardy.errors import HardyError
 
     group = args.group_size if args.group_size is not None else (0 if args.bits == 8 else 128)
     cfg = CompressConfig(quant=args.quant, bits=args.bits, group_size=group, prune=args.prune, sparsity=args.sparsity,
-                         prune_layers=tuple(n.strip() for n in args.prune_layers.split(",")) if args.prune_layers else (),
+                         prune_layers=parse_prune_layers(args.prune_layers),
                          quantize_embeddings=args.quantize_embeddings, act_order=not args.no_act_order,
                          damp=args.damp, calib_samples=args.calib_samples, calib_seq=args.calib_seq, seed=args.seed)
     text = read_text(args.calib_data) if args.calib_data else None  # bad input fails before the model loads

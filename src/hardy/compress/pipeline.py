@@ -27,6 +27,12 @@ LINEARS = {"attention.wq": "attn_in", "attention.wk": "attn_in", "attention.wv":
 INPUT_READERS = {kind: name for name, kind in reversed(LINEARS.items())}
 # `--prune-layers` names a linear by its last component (wq, ..., w3), the same in every block.
 SHORT_NAMES = {name.rsplit(".", 1)[1]: name for name in LINEARS}
+
+
+def parse_prune_layers(text: str | None) -> tuple[str, ...]:
+    """`--prune-layers` as typed ("w2, wo") into CompressConfig.prune_layers; nothing given: ()."""
+    return tuple(n.strip() for n in text.split(",")) if text else ()
+
 SAMPLE_TOKENS = 2048  # tokens kept per input for AWQ's searches and the error report
 
 
@@ -70,7 +76,8 @@ class CompressConfig:
 
     def prunes(self, name: str) -> bool:
         """Is the linear `name` (as in LINEARS) pruned?"""
-        return self.prune is not None and (not self.prune_layers or name.rsplit(".", 1)[1] in self.prune_layers)
+        return self.prune is not None and (not self.prune_layers or
+                                           any(SHORT_NAMES[n] == name for n in self.prune_layers))
 
     def spec(self) -> QuantSpec:
         return QuantSpec(bits=self.bits, group_size=self.group_size)
