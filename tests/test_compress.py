@@ -106,6 +106,45 @@ def test_gptq_and_awq_cut_the_layer_output_error_of_rtn(spec):
     assert e_awq <= 0.9 * e_rtn
 
 
+def test_awq_searches_the_duo_form_too():
+    """Input channels whose weights are small within their groups (here: channels of very different
+    weight magnitude) are better served by AutoAWQ's s = mean|x|^α / salience(w)^(1-α) than by any
+    s = mean|x|^α of the paper's grid; the search finds it."""
+    x, w = _correlated()
+    w = w * torch.exp(torch.randn(w.shape[1], generator=torch.Generator().manual_seed(10)))
+    spec = QuantSpec(4, 32)
+
+    def err(s):
+        return _out_err(x, w, x / s, rtn(w * s, spec).dequantize())
+
+    paper = [x.abs().mean(0).pow(i / awq.GRID) for i in range(awq.GRID)]
+    best_paper = min(err(s / (s.max() * s.min()).sqrt()) for s in paper)
+    assert err(awq.search_scale(x, [w], spec)) < 0.7 * best_paper
+
+
+def test_awq_scores_candidates_by_the_second_moment_exactly():
+    x, w = _correlated()
+    delta = torch.randn_like(w) * 0.01
+    direct = float(((x @ delta.t()) ** 2).mean())
+    assert awq._output_error(awq.second_moment(x), delta) == pytest.approx(direct, rel=1e-4)
+
+
+def test_awq_clip_search_moves_both_ends_of_an_asymmetric_grid():
+    """Groups with one large positive weight: the best range cuts the top and keeps the bottom, which
+    no single shrink ratio of both ends can do."""
+    x, w = _correlated()
+    w[:, ::32] = w.abs().max() * 3  # a lone large weight at the top of every group
+    spec = QuantSpec(4, 32)
+
+    def err(clipped):
+        return _out_err(x, w, x, rtn(clipped, spec).dequantize())
+
+    wg = w.reshape(w.shape[0], -1, 32)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    one_ratio = min(err(torch.minimum(torch.maximum(wg, lo * r), hi * r).reshape(w.shape)) for r in awq.CLIP_RATIOS)
+    assert err(awq.search_clip(x, w, spec)) < 0.8 * one_ratio
+
+
 def test_gptq_keeps_a_pruning_mask():
     x, w = _correlated()
     h = 2 * x.t() @ x / x.shape[0]

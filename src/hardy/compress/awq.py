@@ -1,8 +1,9 @@
 """AWQ (Lin et al. 2023): activation-aware weight quantization. Weights that meet large activations
 matter most; scaling their input channels up by s (and the producer of those activations down by s,
 so the function is unchanged) shrinks their relative rounding error. The per-channel scale is
-s = mean|x|^α, α searched on a grid to minimize the quantized output error on calibration data;
-then each group's clipping range is searched the same way; then round-to-nearest.
+s = mean|x|^α (or AutoAWQ's s = mean|x|^α / salience(w)^(1−α)), α and the form searched on a grid to
+minimize the quantized output error on calibration data (α = 0 is s = 1, plain RTN); then each
+group's clipping range is searched the same way (both ends of an asymmetric grid); then round-to-nearest.
 
 Scales fold into the operator that produces the linear's input: the RMSNorm weight before q/k/v and
 before gate/up, the up projection's rows before down, and the value projection's rows before the
@@ -18,46 +19,90 @@ GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # 1.0 .. 0.55
 
 
-def _output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    return float(((x @ (w_hat - w).t()) ** 2).mean())
+def second_moment(x: torch.Tensor) -> torch.Tensor:
+    """XᵀX / tokens: the output error of any weight change Δ on x is then mean((xΔᵀ)²) = Σ_o Δ_o·M·Δ_o / out,
+    computed without touching the tokens again (every candidate of the searches below is scored this way)."""
+    x = x.float()
+    return x.t() @ x / x.shape[0]
+
+
+def _output_error(m: torch.Tensor, delta: torch.Tensor) -> float:
+    return float(((delta @ m) * delta).sum() / delta.shape[0])
+
+
+def _weight_salience(weights: list[torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    """Per input channel, the mean over all rows of |w| relative to the max |w| of its group."""
+    cols = weights[0].shape[1]
+    w = torch.cat([w.float() for w in weights])
+    wg = grouped(w.abs(), spec.group_width(cols))
+    rel = (wg / wg.amax(-1, keepdim=True).clamp_min(1e-6)).reshape(w.shape[0], -1)[:, :cols]
+    return rel.mean(0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor):
+    """The grid searched: s = mean|x|^α (the paper) and s = mean|x|^α / salience(w)^(1-α) (AutoAWQ's
+    "duo" form: channels whose weights are small within their groups lose most to rounding), each
+    normalized so that max·min = 1."""
+    for i in range(GRID):
+        alpha = i / GRID
+        for s in (x_mean.pow(alpha), x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)):
+            s = s.clamp_min(1e-4)
+            yield s / (s.max() * s.min()).sqrt()
 
 
 def search_scale(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """Per-input-channel scale s for linears sharing the input x [tokens, in] (s = 1 if nothing helps)."""
-    x = x.float()
-    x_mean = x.abs().mean(dim=0)
+    m = second_moment(x)
+    x_mean = x.float().abs().mean(dim=0)
     best, best_s = float("inf"), torch.ones_like(x_mean)
-    for i in range(GRID):
-        alpha = i / GRID
-        s = x_mean.pow(alpha).clamp_min(1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        loss = sum(_output_error(x, w.float(), rtn(w.float() * s, spec).dequantize() / s) for w in weights)
+    for s in candidate_scales(x_mean, _weight_salience(weights, spec)):
+        loss = sum(_output_error(m, rtn(w.float() * s, spec).dequantize() / s - w.float()) for w in weights)
         if loss < best:
             best, best_s = loss, s
     return best_s
 
 
 def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """w with each (row, group) clipped to the ratio of its range that minimizes that group's
-    contribution to the output error on x [tokens, in]."""
+    """w with each (row, group) clipped to the range that minimizes that group's contribution to the
+    output error on x [tokens, in]. AWQ shrinks a group's range by one ratio; an asymmetric grid has two
+    ends, so hardy searches the ratio of each end (CLIP_RATIOS², then each group's best pair refined in
+    steps of 0.025 and 0.0125), a symmetric grid one ratio."""
     out, cols = w.shape
     groups, g = spec.groups(cols), spec.group_width(cols)
-    xg = grouped(x.float(), g, fill="zero")
+    xg = grouped(x.float(), g, fill="zero")  # zero-padded columns add nothing to any error
+    m = torch.einsum("tgk,tgl->gkl", xg, xg) / x.shape[0]  # each group's second moment
     wg = grouped(w.float(), g)
     lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
     if spec.symmetric:
         lo = -torch.maximum(lo.abs(), hi.abs())
         hi = -lo
-    best_err = torch.full((out, groups), float("inf"))
-    best = wg.clone()
-    for r in CLIP_RATIOS:
-        clipped = torch.minimum(torch.maximum(wg, lo * r), hi * r)
+    best_err = torch.full((out, groups, 1), float("inf"))
+    best_lo, best_hi = torch.ones_like(lo), torch.ones_like(hi)
+
+    def consider(r_lo, r_hi) -> None:
+        nonlocal best_err, best_lo, best_hi
+        clipped = torch.minimum(torch.maximum(wg, lo * r_lo), hi * r_hi)
         delta = grouped(rtn(clipped.reshape(out, -1)[:, :cols], spec).dequantize(), g) - wg
-        err = torch.einsum("ogk,tgk->ogt", delta, xg).pow(2).mean(-1)  # per (row, group)
+        err = (torch.matmul(delta.transpose(0, 1), m).transpose(0, 1) * delta).sum(-1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best = torch.where(better[..., None], clipped, best)
-    return best.reshape(out, -1)[:, :cols]
+        best_lo, best_hi = torch.where(better, r_lo, best_lo), torch.where(better, r_hi, best_hi)
+
+    if spec.symmetric:
+        for r in CLIP_RATIOS:
+            consider(torch.tensor(r), torch.tensor(r))
+    else:
+        for r_lo in CLIP_RATIOS:
+            for r_hi in CLIP_RATIOS:
+                consider(torch.tensor(r_lo), torch.tensor(r_hi))
+        for step in (0.025, 0.0125):
+            centre_lo, centre_hi = best_lo, best_hi
+            for d_lo in (-step, 0.0, step):
+                for d_hi in (-step, 0.0, step):
+                    if d_lo or d_hi:
+                        consider((centre_lo + d_lo).clamp(max=1.0), (centre_hi + d_hi).clamp(max=1.0))
+    clipped = torch.minimum(torch.maximum(wg, lo * best_lo), hi * best_hi)
+    return clipped.reshape(out, -1)[:, :cols]
 
 
 def awq_quantize(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
