@@ -79,9 +79,12 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
     best_err = torch.full((out, groups, 1), float("inf"))
     best_lo, best_hi = torch.ones_like(lo), torch.ones_like(hi)
 
+    def clip(r_lo, r_hi) -> torch.Tensor:
+        return torch.minimum(torch.maximum(wg, lo * r_lo), hi * r_hi)
+
     def consider(r_lo, r_hi) -> None:
         nonlocal best_err, best_lo, best_hi
-        clipped = torch.minimum(torch.maximum(wg, lo * r_lo), hi * r_hi)
+        clipped = clip(r_lo, r_hi)
         delta = grouped(rtn(clipped.reshape(out, -1)[:, :cols], spec).dequantize(), g) - wg
         err = (torch.matmul(delta.transpose(0, 1), m).transpose(0, 1) * delta).sum(-1, keepdim=True)
         better = err < best_err
@@ -101,8 +104,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
                 for d_hi in (-step, 0.0, step):
                     if d_lo or d_hi:
                         consider((centre_lo + d_lo).clamp(max=1.0), (centre_hi + d_hi).clamp(max=1.0))
-    clipped = torch.minimum(torch.maximum(wg, lo * best_lo), hi * best_hi)
-    return clipped.reshape(out, -1)[:, :cols]
+    return clip(best_lo, best_hi).reshape(out, -1)[:, :cols]
 
 
 def awq_quantize(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> QuantTensor:
