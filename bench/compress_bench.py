@@ -4,16 +4,17 @@ calibration data against plain RTN's — with the orderings issue 6 asks for che
 perplexity ordering with its paired difference over the same chunks (z = Δ mean NLL / its standard
 error; |z| < 2 is within the chunk-to-chunk noise of this evaluation text).
 
-    .venv/bin/python bench/compress_bench.py --model runs/small --calib-data wikitext2-valid \
-        --eval-data wikitext2-test --ctx 512
+    .venv/bin/python bench/compress_bench.py --model runs/small --calib-data run-split \
+        --eval-data run-split --ctx 256 --kl
     .venv/bin/python bench/compress_bench.py --model smollm2-135m --calib-data wikitext2-valid \
-        --eval-data wikitext2-test --max-tokens 65536 --settings smollm2
+        --calib-samples 64 --eval-data wikitext2-test --max-tokens 65536 --settings 1,2,3,7,8,9
 
 Every setting starts from the same dense weights and the same calibration windows (seeded).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -21,6 +22,9 @@ ALL = ([("rtn", 8, 0, None, None)]
        + [(q, b, g, None, None) for b, g in ((4, 32), (4, 128), (3, 128)) for q in ("rtn", "gptq", "awq")]
        + [(None, None, None, p, s) for s in ("0.5", "2:4") for p in ("magnitude", "wanda", "sparsegpt")]
        + [("gptq", 8, 0, "sparsegpt", "2:4")])
+
+# --calib-data / --eval-data value naming the run's own prepared splits (train for calibration, val to evaluate)
+RUN_SPLIT = "run-split"
 
 
 def label(q, b, g, p, s) -> str:
@@ -35,11 +39,14 @@ def label(q, b, g, p, s) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--calib-data", default="wikitext2-valid")
+    ap.add_argument("--calib-data", default="wikitext2-valid",
+                    help=f"a text, or {RUN_SPLIT!r}: windows of the training split of the hardy run given as --model")
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq", type=int, default=512)
     ap.add_argument("--calib-seed", type=int, default=0, help="which calibration windows are drawn")
-    ap.add_argument("--eval-data", default="wikitext2-test")
+    ap.add_argument("--eval-data", default="wikitext2-test",
+                    help=f"a text, or {RUN_SPLIT!r}: the held-out split of the hardy run given as --model "
+                         "(documents of its training texts it never saw)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
@@ -56,7 +63,7 @@ def main() -> None:
 
     import torch
 
-    from hardy.cli.compress import calibration_batch
+    from hardy.cli.compress import calibration_batch, calibration_windows
     from hardy.compress.pipeline import CompressConfig, compress_model, parse_prune_layers
     from hardy.data.text import read_text
     from hardy.eval.compare import quality
@@ -66,8 +73,19 @@ def main() -> None:
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     seq = min(args.calib_seq, loaded.config.max_seq_len)
-    calib = calibration_batch(tok, read_text(args.calib_data), args.calib_samples, seq, seed=args.calib_seed)
-    tokens = tok.encode(read_text(args.eval_data))
+    if RUN_SPLIT in (args.calib_data, args.eval_data):
+        from pathlib import Path
+
+        from hardy.data.prepare import load_split
+
+        def split_tokens(split):  # the run's own prepared split, tokenized by its own tokenizer
+            return load_split(Path(args.model) / "data", split).astype("int64")
+    if args.calib_data == RUN_SPLIT:
+        calib = calibration_windows(torch.from_numpy(split_tokens("train")), args.calib_samples, seq,
+                                    seed=args.calib_seed)
+    else:
+        calib = calibration_batch(tok, read_text(args.calib_data), args.calib_samples, seq, seed=args.calib_seed)
+    tokens = split_tokens("val").tolist() if args.eval_data == RUN_SPLIT else tok.encode(read_text(args.eval_data))
     if args.max_tokens:
         tokens = tokens[:args.max_tokens]
     base = {k: v.clone() for k, v in loaded.model.state_dict().items()}
@@ -94,9 +112,12 @@ def main() -> None:
         print(f"pruning only {','.join(prune_layers)} of each block")
     # "cols ≤10% kept": input columns of the pruned linears with under a tenth of their weights left,
     # i.e. an input feature as good as removed (a mask that follows ‖X_j‖ more than |W| does this)
-    kl_head = " KL vs dense | top-1 |" if args.kl else ""
+    # with --kl, ΔNLL = KL(dense ‖ compressed) + a calibration term Σ_v (1[v=y] − p_dense(v))·(log p_dense − log p)(v),
+    # zero in expectation where the dense model's predictions are the text's true distribution; negative
+    # where any perturbation of an over-confident model moves its predictions toward the truth
+    kl_head = " KL vs dense | ΔNLL − KL | top-1 |" if args.kl else ""
     print(f"| setting | PPL | vs dense |{kl_head} layer-output error | RTN's error | cols ≤10% kept | compress s |")
-    print("|---|---|---|" + "---|---|" * args.kl + "---|---|---|---|")
+    print("|---|---|---|" + "---|---|---|" * args.kl + "---|---|---|---|")
     results = {}
     for q, b, g, p, s in settings:
         loaded.model.load_state_dict(base)
@@ -120,7 +141,8 @@ def main() -> None:
         rtn_err = statistics.fmean(rtn_errs) if rtn_errs else None
         name = label(q, b, g, p, s)
         results[name] = (ppl, err, rtn_err, evaluated)
-        kl_cells = f" {evaluated['kl']:.5f} | {100 * evaluated['top1']:.2f}% |" if args.kl else ""
+        kl_cells = (f" {evaluated['kl']:.5f} | {math.log(ppl / dense) - evaluated['kl']:+.5f} | "
+                    f"{100 * evaluated['top1']:.2f}% |") if args.kl else ""
         print(f"| {name} | {ppl:.4f} | {100 * (ppl / dense - 1):+.2f}% |{kl_cells} {err:.4f} | "
               f"{'-' if rtn_err is None else f'{rtn_err:.4f}'} | {dropped} | {took:.0f} |", flush=True)
         del result

@@ -37,9 +37,16 @@ def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
     """`samples` windows of `seq` tokens at seeded random offsets of the tokenized text."""
     import torch
 
+    return calibration_windows(torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long),
+                               samples, seq, seed)
+
+
+def calibration_windows(ids, samples: int, seq: int, seed: int):
+    """`samples` windows of `seq` tokens at seeded random offsets of a 1-D token tensor."""
+    import torch
+
     from hardy.errors import HardyError
 
-    ids = torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long)
     if ids.numel() < seq + 1:
         raise HardyError(f"calibration text has {ids.numel()} tokens; need more than --calib-seq {seq}")
     gen = torch.Generator().manual_seed(seed)
