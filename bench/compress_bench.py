@@ -17,6 +17,7 @@ import argparse
 import math
 import statistics
 import time
+from pathlib import Path
 
 ALL = ([("rtn", 8, 0, None, None)]
        + [(q, b, g, None, None) for b, g in ((4, 32), (4, 128), (3, 128)) for q in ("rtn", "gptq", "awq")]
@@ -65,6 +66,7 @@ def main() -> None:
 
     from hardy.cli.compress import calibration_batch, calibration_windows
     from hardy.compress.pipeline import CompressConfig, compress_model, parse_prune_layers
+    from hardy.data.prepare import load_split
     from hardy.data.text import read_text
     from hardy.eval.compare import quality
     from hardy.eval.perplexity import paired_difference, perplexity
@@ -73,13 +75,10 @@ def main() -> None:
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     seq = min(args.calib_seq, loaded.config.max_seq_len)
-    if RUN_SPLIT in (args.calib_data, args.eval_data):
-        from pathlib import Path
 
-        from hardy.data.prepare import load_split
+    def split_tokens(split):  # the run's own prepared split, tokenized by its own tokenizer
+        return load_split(Path(args.model) / "data", split).astype("int64")
 
-        def split_tokens(split):  # the run's own prepared split, tokenized by its own tokenizer
-            return load_split(Path(args.model) / "data", split).astype("int64")
     if args.calib_data == RUN_SPLIT:
         calib = calibration_windows(torch.from_numpy(split_tokens("train")), args.calib_samples, seq,
                                     seed=args.calib_seed)
