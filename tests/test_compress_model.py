@@ -1,9 +1,13 @@
 """hardy compress on a model trained from scratch (`mini`, conftest `mini_run`): the published
-orderings of the methods hold on held-out perplexity, the stored directory loads into quantized
-modules that compute what dequantize-then-matmul computes, and the CLI works end to end."""
+orderings of the methods hold in fidelity to the dense model (KL on held-out text, layer-output error
+on calibration data), the stored directory loads into quantized modules that compute what
+dequantize-then-matmul computes, and the CLI works end to end. Why fidelity and not perplexity on this
+model, and the perplexity orderings on SmolLM2: test_compress_smollm2.py."""
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,8 +16,16 @@ import torch.nn.functional as F
 from conftest import run_hardy
 from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.compress.qlinear import QuantLinear, quantized_modules
-from hardy.eval.perplexity import perplexity
+from hardy.eval.compare import quality
 from hardy.formats.load import load_model
+
+
+@dataclass
+class Outcome:
+    ppl: float  # on the held-out text
+    kl: float  # mean KL(dense ‖ compressed) per held-out token, nats
+    error: float  # mean relative layer-output error on the calibration data
+    result: object  # the CompressResult
 
 
 @pytest.fixture(scope="module")
@@ -25,53 +37,50 @@ def mini(mini_run):
     calib = calibration_batch(tok, (mini_run / "train.txt").read_text(), 32, 128, seed=0)
     heldout = tok.encode((mini_run / "heldout.txt").read_text())[:8192]
     base = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    dense = copy.deepcopy(loaded.model)
     results = {}
 
-    def evaluate(model) -> float:
-        return perplexity(model, heldout, ctx=128, protocol="llama.cpp", bos_id=tok.bos_id, add_bos=tok.add_bos,
-                          batch_size=16).ppl
-
-    def run(**kw):
+    def run(**kw) -> Outcome:
         key = tuple(sorted(kw.items()))
         if key not in results:
             loaded.model.load_state_dict(base)
             result = compress_model(loaded.model, CompressConfig(calib_samples=32, calib_seq=128, **kw), calib,
                                     progress=False)
+            _, ours = quality([dense, loaded.model], heldout, 128, "llama.cpp", tok.bos_id, tok.add_bos, batch_size=16)
             errors = [r.output_error for r in result.reports]
-            results[key] = (evaluate(loaded.model), sum(errors) / len(errors), result)
+            results[key] = Outcome(ours["ppl"], ours["kl"], sum(errors) / len(errors), result)
         return results[key]
 
-    loaded.model.load_state_dict(base)
-    dense = evaluate(loaded.model)
-    return {"run": run, "dense": dense, "loaded": loaded, "calib": calib, "base": base}
+    dense_ppl = quality([dense], heldout, 128, "llama.cpp", tok.bos_id, tok.add_bos, batch_size=16)[0]["ppl"]
+    return {"run": run, "dense": dense_ppl, "loaded": loaded, "calib": calib, "base": base}
 
 
 def test_int8_rtn_costs_under_half_a_percent_of_perplexity(mini):
-    ppl, _, _ = mini["run"](quant="rtn", bits=8, group_size=0)
+    ppl = mini["run"](quant="rtn", bits=8, group_size=0).ppl
     assert abs(ppl / mini["dense"] - 1) <= 0.005, (ppl, mini["dense"])
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (3, 128)])
-def test_gptq_and_awq_beat_rtn(mini, bits, group):
-    rtn_ppl, rtn_err, rtn_result = mini["run"](quant="rtn", bits=bits, group_size=group)
+def test_gptq_and_awq_beat_rtn_in_fidelity(mini, bits, group):
+    rtn = mini["run"](quant="rtn", bits=bits, group_size=group)
     for method in ("gptq", "awq"):
-        ppl, err, result = mini["run"](quant=method, bits=bits, group_size=group)
-        assert ppl <= rtn_ppl, (method, ppl, rtn_ppl)
-        assert err <= 0.9 * rtn_err, (method, err, rtn_err)  # ≥ 10% lower layer-output error
+        ours = mini["run"](quant=method, bits=bits, group_size=group)
+        assert ours.kl < rtn.kl, (method, ours.kl, rtn.kl)  # measured: 0.28–0.73× RTN's
+        assert ours.error <= 0.9 * rtn.error, (method, ours.error, rtn.error)  # ≥ 10% lower layer-output error
         # the report's RTN baseline is the same RTN the rtn run applied to layer 0
-        assert result.reports[0].rtn_output_error == pytest.approx(rtn_result.reports[0].output_error, rel=1e-4)
+        assert ours.result.reports[0].rtn_output_error == pytest.approx(rtn.result.reports[0].output_error, rel=1e-4)
 
 
 @pytest.mark.parametrize("sparsity", ["0.5", "2:4"])
-def test_sparsegpt_beats_magnitude_at_the_same_sparsity(mini, sparsity):
-    mag, _, mag_result = mini["run"](prune="magnitude", sparsity=sparsity)
-    sgpt, _, result = mini["run"](prune="sparsegpt", sparsity=sparsity)
-    assert sgpt < mag, (sgpt, mag)
-    assert all(r.sparsity == pytest.approx(0.5, abs=0.01) for r in result.reports + mag_result.reports)
+def test_sparsegpt_beats_magnitude_in_fidelity(mini, sparsity):
+    mag = mini["run"](prune="magnitude", sparsity=sparsity)
+    sgpt = mini["run"](prune="sparsegpt", sparsity=sparsity)
+    assert sgpt.kl < mag.kl, (sgpt.kl, mag.kl)  # measured: 0.28–0.57× magnitude's
+    assert all(r.sparsity == pytest.approx(0.5, abs=0.01) for r in sgpt.result.reports + mag.result.reports)
 
 
 def test_prune_layers_prunes_only_the_named_linears(mini):
-    _, _, result = mini["run"](prune="wanda", sparsity="2:4", prune_layers=("wo", "w2"))
+    result = mini["run"](prune="wanda", sparsity="2:4", prune_layers=("wo", "w2")).result
     for r in result.reports:
         pruned = r.linear in ("attention.wo", "feed_forward.w2")
         assert r.name.endswith(f".{r.linear}.weight")
@@ -80,52 +89,18 @@ def test_prune_layers_prunes_only_the_named_linears(mini):
             assert torch.equal(result.state[r.name], mini["base"][r.name]) and r.output_error == 0.0
 
 
-def test_wanda_beats_magnitude_on_smollm2(smollm2):
-    """Wanda's ‖X_j‖ factor exists for models with outlier activation features; SmolLM2 has them, the
-    tiny test models do not (there Wanda and magnitude trade places: BENCHMARKS.md). A short slice is
-    enough: on the 64k-token prefix Wanda is 12x (50%) and 21x (2:4) lower in perplexity."""
-    from hardy.cli.compress import calibration_batch
-    from hardy.compress import prune
-    from hardy.compress.pipeline import LINEARS
-    from hardy.data.text import read_text
-
-    model, tok = smollm2.model, smollm2.tokenizer
-    calib = calibration_batch(tok, read_text("wikitext2-valid")[:100_000], 4, 128, seed=0)
-    heldout = tok.encode(read_text("wikitext2-test")[:10_000])[:1024]
-    base = {k: v.clone() for k, v in model.state_dict().items()}
-    ppl = {}
-    try:
-        for sparsity in ("0.5", "2:4"):
-            model.load_state_dict(base)
-            compress_model(model, CompressConfig(prune="wanda", sparsity=sparsity, calib_samples=4, calib_seq=128),
-                           calib, progress=False)
-            ppl["wanda", sparsity] = perplexity(model, heldout, ctx=512, bos_id=tok.bos_id, add_bos=tok.add_bos).ppl
-            model.load_state_dict(base)
-            with torch.no_grad():  # magnitude needs no calibration: the pipeline's own per-layer call
-                for block in model.layers:
-                    for name in LINEARS:
-                        lin = block.get_submodule(name)
-                        lin.weight.copy_(prune.magnitude(lin.weight, prune.Sparsity.parse(sparsity))[0])
-            ppl["magnitude", sparsity] = perplexity(model, heldout, ctx=512, bos_id=tok.bos_id,
-                                                    add_bos=tok.add_bos).ppl
-    finally:
-        model.load_state_dict(base)  # the session's shared SmolLM2 stays dense
-    for sparsity in ("0.5", "2:4"):
-        assert ppl["wanda", sparsity] < ppl["magnitude", sparsity], ppl
-
-
 def test_prune_then_quantize(mini):
-    ppl, _, result = mini["run"](prune="sparsegpt", sparsity="2:4", quant="gptq", bits=8, group_size=0)
-    q = result.quantized["layers.0.feed_forward.w1.weight"].dequantize()
+    both = mini["run"](prune="sparsegpt", sparsity="2:4", quant="gptq", bits=8, group_size=0)
+    q = both.result.quantized["layers.0.feed_forward.w1.weight"].dequantize()
     assert ((q.reshape(q.shape[0], -1, 4) == 0).sum(-1) >= 2).all()  # the 2:4 pattern survives int8
-    sgpt, _, _ = mini["run"](prune="sparsegpt", sparsity="2:4")
-    assert ppl <= sgpt * 1.01
+    sgpt = mini["run"](prune="sparsegpt", sparsity="2:4")
+    assert both.ppl <= sgpt.ppl * 1.01
 
 
 def test_stored_model_loads_into_quantized_modules(mini, tmp_path):
     from hardy.compress.store import save_compressed
 
-    _, _, result = mini["run"](quant="gptq", bits=4, group_size=32)
+    result = mini["run"](quant="gptq", bits=4, group_size=32).result
     loaded = mini["loaded"]
     save_compressed(loaded.config, result.state, result.quantized, loaded.tokenizer, tmp_path / "q", {"test": True})
     manifest = json.loads((tmp_path / "q" / "quantization.json").read_text())
@@ -150,8 +125,9 @@ def test_stored_model_loads_into_quantized_modules(mini, tmp_path):
 def test_quantized_embeddings(mini, tmp_path):
     from hardy.compress.store import save_compressed
 
-    ppl, _, result = mini["run"](quant="rtn", bits=8, group_size=32, quantize_embeddings=True)
-    assert "tok_embeddings.weight" in result.quantized and abs(ppl / mini["dense"] - 1) < 0.01
+    outcome = mini["run"](quant="rtn", bits=8, group_size=32, quantize_embeddings=True)
+    result = outcome.result
+    assert "tok_embeddings.weight" in result.quantized and abs(outcome.ppl / mini["dense"] - 1) < 0.01
     loaded = mini["loaded"]
     save_compressed(loaded.config, result.state, result.quantized, loaded.tokenizer, tmp_path / "e", {})
     again = load_model(str(tmp_path / "e"))
