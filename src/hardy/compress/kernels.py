@@ -11,6 +11,7 @@ AVX2) stream the 4-bit weights at their own size.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -62,7 +63,10 @@ def load(verbose: bool = False):
 
     tag, flags = _isa()
     version = torch.__version__.split("+")[0].replace(".", "_")
-    name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}"
+    # the sources' paths and bytes in the name: two checkouts (or two versions) sharing the cache each keep
+    # their own build instead of rebuilding over each other's (measured: ~60 s per rebuild here)
+    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in SOURCES)).hexdigest()[:10]
+    name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     try:

@@ -44,6 +44,9 @@ class CompressConfig:
     prune: str | None = None
     sparsity: str = "0.5"
     prune_layers: tuple[str, ...] = ()  # short names of the linears to prune; () = all of them
+    # transformer blocks to compress, by index; () = all. The others stay as they are and only carry the
+    # calibration activations on, so every compressed block sees the inputs the whole model gives it.
+    blocks: tuple[int, ...] = ()
     quantize_embeddings: bool = False
     act_order: bool = True
     damp: float = 0.01
@@ -71,6 +74,8 @@ class CompressConfig:
                 raise HardyError(f"--prune-layers: unknown {','.join(unknown)} (names: {','.join(SHORT_NAMES)})")
             if len(set(self.prune_layers)) != len(self.prune_layers):
                 raise HardyError(f"--prune-layers names a linear twice ({','.join(self.prune_layers)})")
+        if any(b < 0 for b in self.blocks) or len(set(self.blocks)) != len(self.blocks):
+            raise HardyError(f"blocks must be distinct indices >= 0 (got {self.blocks})")
         if self.calib_samples < 1 or self.calib_seq < 2:
             raise HardyError("--calib-samples must be >= 1 and --calib-seq >= 2")
 
@@ -197,6 +202,12 @@ def _apply_awq_scales(block, inputs: dict[str, tuple[torch.Tensor, torch.Tensor]
     return out_scale
 
 
+def _propagate(block, x: torch.Tensor, cos, sin, chunk: int) -> None:
+    """The calibration activations through `block` (as compressed), in place, `chunk` samples at a time."""
+    for i in range(0, x.shape[0], chunk):
+        x[i:i + chunk] = block(x[i:i + chunk], cos, sin)
+
+
 def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progress: bool = True) -> CompressResult:
     """Compress `model` (fp32, modified in place: it ends up holding the dequantized weights)."""
     from tqdm import tqdm
@@ -218,8 +229,14 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
         cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
         x = model.tok_embeddings(calib).float()
         chunk = max(1, 8192 // seq)
+        if cfg.blocks and max(cfg.blocks) >= len(model.layers):
+            raise HardyError(f"blocks {cfg.blocks}: the model has {len(model.layers)} blocks")
         bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
         for li, block in enumerate(model.layers):
+            if cfg.blocks and li not in cfg.blocks:
+                _propagate(block, x, cos, sin, chunk)
+                bar.update()
+                continue
             stats = _block_inputs(block, x, cos, sin, chunk, cfg.needs_hessian)
             inputs = {k: v.finish() for k, v in stats.items()}
             originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
@@ -266,8 +283,7 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
                 reports.append(LayerReport(name=full, linear=name, output_error=error, rtn_output_error=rtn_error,
                                            sparsity=float((w_hat == 0).float().mean()) if masks else 0.0))
                 lin.weight.copy_(w_hat)
-            for i in range(0, x.shape[0], chunk):
-                x[i:i + chunk] = block(x[i:i + chunk], cos, sin)
+            _propagate(block, x, cos, sin, chunk)
             bar.update()
         bar.close()
         if cfg.quantize_embeddings and cfg.quant is not None:
