@@ -7,8 +7,9 @@ differences in KL between methods.
 
     .venv/bin/python bench/first_order_probe.py --model RUN --heldout heldout.txt --calib train.txt
 
-Windows of --ctx tokens, every position scored; the dense logits are kept for the KL, so this is for
-small vocabularies (the `mini` and `small` models), not SmolLM2.
+Chunks of --ctx tokens, every position scored (`hardy eval` protocol "full"): NLL and KL are
+`hardy.eval.compare.quality`'s. The held-out gradient is one backward pass over all of them, so this is
+for small models (the `mini` and `small` ones), not SmolLM2.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import argparse
 import copy
 import math
 
-import torch
 import torch.nn.functional as F
 
 SETTINGS = ([dict(quant=q, bits=b, group_size=g) for b, g in ((4, 32), (4, 128), (3, 128))
@@ -44,39 +44,33 @@ def main() -> None:
     from hardy.cli.compress import calibration_batch
     from hardy.compress.pipeline import CompressConfig, compress_model
     from hardy.data.text import read_text
+    from hardy.eval.compare import quality
+    from hardy.eval.perplexity import chunk_batches, plan_chunks
     from hardy.formats.load import load_model
 
     loaded = load_model(args.model)
     model, tok = loaded.model.eval(), loaded.tokenizer
-    ids = tok.encode(read_text(args.heldout))
-    n = (min(len(ids) - 1, args.max_tokens) // args.ctx) * args.ctx
-    x = torch.tensor(ids[:n + 1])
-    inputs, targets = x[:-1].view(-1, args.ctx), x[1:].view(-1, args.ctx)
-    batches = [(inputs[i:i + args.batch], targets[i:i + args.batch]) for i in range(0, len(inputs), args.batch)]
+    ids = tok.encode(read_text(args.heldout))[:args.max_tokens]
+    # the same chunks and scored positions as every NLL and KL below (`quality`, protocol "full")
+    chunks = plan_chunks(len(ids), args.ctx, "full")
+    scored = sum(c.last_scored - c.first_scored + 1 for c in chunks)
 
-    def loss(inp, tgt) -> torch.Tensor:  # this batch's share of the mean NLL over all scored tokens
-        return F.cross_entropy(model(inp).float().flatten(0, 1), tgt.flatten(), reduction="sum") / targets.numel()
+    def evaluate(*models) -> list[dict]:
+        return quality([dense, *models], ids, args.ctx, "full", tok.bos_id, tok.add_bos, batch_size=args.batch)
 
     model.zero_grad()
-    for inp, tgt in batches:
-        loss(inp, tgt).backward()
+    for group, batch in chunk_batches(chunks, ids, args.batch, "full", tok.bos_id, tok.add_bos):
+        first, last = group[0].first_scored, group[0].last_scored
+        logits = model.output(model.hidden_states(batch)[:, first:last + 1]).float()
+        (F.cross_entropy(logits.flatten(0, 1), batch[:, first + 1:last + 2].flatten(), reduction="sum")
+         / scored).backward()
     grad = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     model.zero_grad()
-    with torch.no_grad():
-        dense_logp = [F.log_softmax(model(inp).float(), -1) for inp, _ in batches]
-        dense_nll = sum(float(loss(inp, tgt)) for inp, tgt in batches)
-
-    def nll_and_kl() -> tuple[float, float]:
-        nll = kl = 0.0
-        with torch.no_grad():
-            for (inp, tgt), ref in zip(batches, dense_logp):
-                logp = F.log_softmax(model(inp).float(), -1)
-                nll += float(F.nll_loss(logp.flatten(0, 1), tgt.flatten(), reduction="sum"))
-                kl += float((ref.exp() * (ref - logp)).sum())
-        return nll / targets.numel(), kl / targets.numel()
+    dense = copy.deepcopy(model)
+    dense_nll = math.log(evaluate()[0]["ppl"])
 
     gnorm = math.sqrt(sum(float((g ** 2).sum()) for g in grad.values()))
-    print(f"{args.model}: {targets.numel():,} held-out tokens, dense NLL {dense_nll:.4f}, "
+    print(f"{args.model}: {scored:,} held-out tokens scored, dense NLL {dense_nll:.4f}, "
           f"held-out gradient norm {gnorm:.3f}\n")
     base = copy.deepcopy(model.state_dict())
     calib = calibration_batch(tok, read_text(args.calib), args.calib_samples, args.ctx, seed=0)
@@ -86,11 +80,12 @@ def main() -> None:
         compress_model(model, CompressConfig(calib_samples=args.calib_samples, calib_seq=args.ctx, **kw), calib,
                        progress=False)
         delta = {k: v - base[k] for k, v in model.state_dict().items()}
-        first = sum(float((grad[k] * delta[k]).sum()) for k in grad)
-        nll, kl = nll_and_kl()
+        linear = sum(float((grad[k] * delta[k]).sum()) for k in grad)
+        ours = evaluate(model)[1]
+        nll, kl = math.log(ours["ppl"]), ours["kl"]
         model.load_state_dict({k: base[k] - d for k, d in delta.items()})
-        mirrored = nll_and_kl()[0]
-        print(f"| {label(kw)} | {nll - dense_nll:+.5f} | {kl:.5f} | {nll - dense_nll - kl:+.5f} | {first:+.5f} "
+        mirrored = math.log(evaluate(model)[1]["ppl"])
+        print(f"| {label(kw)} | {nll - dense_nll:+.5f} | {kl:.5f} | {nll - dense_nll - kl:+.5f} | {linear:+.5f} "
               f"| {mirrored - dense_nll:+.5f} |", flush=True)
 
 
