@@ -2,7 +2,7 @@
 session) and a short slice of WikiText-2 test.
 
 Why here and not on the `mini` model trained in the test session: a few hundred steps leave that model
-far from any optimum (its held-out loss gradient has norm ~2), so a weight change δ moves held-out
+far from any optimum (its held-out loss gradient has norm 1.2–1.9), so a weight change δ moves held-out
 perplexity to first order (g·δ, of either sign, a different draw for every trained instance) while what
 GPTQ, AWQ and SparseGPT improve — fidelity to the dense model — moves it to second order. Measured on
 four instances of that model (BENCHMARKS.md, bench/first_order_probe.py): RTN int4 ended up to 0.6%
