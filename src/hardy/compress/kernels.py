@@ -21,7 +21,8 @@ import torch
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "qgemv.cpp", CSRC / "decode_layer.cpp"]
+# three translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
+SOURCES = [CSRC / "qgemv.cpp", CSRC / "decode_layer.cpp", CSRC / "bindings.cpp"]
 _module = None
 _tried = False
 
@@ -65,7 +66,7 @@ def load(verbose: bool = False):
     version = torch.__version__.split("+")[0].replace(".", "_")
     # the sources' paths and bytes in the name: two checkouts (or two versions) sharing the cache each keep
     # their own build instead of rebuilding over each other's (measured: ~60 s per rebuild here)
-    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in SOURCES)).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in [*SOURCES, CSRC / "qgemv.h"])).hexdigest()[:10]
     name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)

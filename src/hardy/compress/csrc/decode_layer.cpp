@@ -6,6 +6,8 @@
 // reading (docs/quantization.md).
 #include "qgemv.h"
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <cstring>
 #include <cmath>
 #include <vector>
@@ -41,9 +43,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w, rows of [B, D]
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t B = x.size(0), D = x.size(1);
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float* X = x.data_ptr<float>();
   const float* W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
@@ -55,7 +57,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 // Rotate-half rotary embedding in place on [B, heads * hd] at each row's position.
-void rope(torch::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const float* cos, const float* sin) {
+void rope(at::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const float* cos, const float* sin) {
   const int64_t B = t.size(0), half = hd / 2;
   float* T = t.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
@@ -74,18 +76,18 @@ void rope(torch::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const
 
 // The linears `first .. first+count-1` of the block applied to the same x (one quantization of x);
 // w and dims point at the block's 21 tensors and 14 sizes.
-std::vector<torch::Tensor> linears(const torch::Tensor* w, const int64_t* dims, int first, int count,
-                                   const torch::Tensor& x) {
-  return qgemv_many(x, std::vector<torch::Tensor>(w + 3 * first, w + 3 * (first + count)),
+std::vector<at::Tensor> linears(const at::Tensor* w, const int64_t* dims, int first, int count,
+                                   const at::Tensor& x) {
+  return qgemv_many(x, std::vector<at::Tensor>(w + 3 * first, w + 3 * (first + count)),
                     std::vector<int64_t>(dims + 2 * first, dims + 2 * (first + count)));
 }
 
-torch::Tensor block(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
-                    const torch::Tensor& sin, const torch::Tensor& attn_norm, const torch::Tensor& ffn_norm, double eps,
-                    const torch::Tensor* w, const int64_t* dims, const torch::Tensor& kc, const torch::Tensor& vc,
+at::Tensor block(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, double eps,
+                    const at::Tensor* w, const int64_t* dims, const at::Tensor& kc, const at::Tensor& vc,
                     int64_t head_dim) {
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32, "float32 KV cache");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.size(0) == x.size(0), "one position per row");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat, "float32 KV cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == x.size(0), "one position per row");
   const int64_t B = x.size(0), hd = head_dim, S = kc.size(2), KVH = kc.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < S && pos[b] < cos.size(0), "position outside the cache");
@@ -110,7 +112,7 @@ torch::Tensor block(const torch::Tensor& x, const torch::Tensor& positions, cons
     }
 
   // attention: row b, head hh attends to its cached positions 0 .. pos[b]
-  auto attn = torch::empty({B, H * hd}, torch::kFloat32);
+  auto attn = at::empty({B, H * hd}, at::kFloat);
   const float* Q = q.data_ptr<float>();
   float* A = attn.data_ptr<float>();
   const float scale = 1.f / std::sqrt((float)hd);
@@ -138,7 +140,7 @@ torch::Tensor block(const torch::Tensor& x, const torch::Tensor& positions, cons
     }
   });
 
-  auto x1 = x + linears(w, dims, 3, 1, attn)[0];
+  auto x1 = x.add(linears(w, dims, 3, 1, attn)[0]);
   auto h2 = rms_norm(x1, ffn_norm, eps);
   auto gate_up = linears(w, dims, 4, 2, h2);
   auto &gate = gate_up[0], &up = gate_up[1];
@@ -151,7 +153,7 @@ torch::Tensor block(const torch::Tensor& x, const torch::Tensor& positions, cons
 
 }  // namespace
 
-DecodeStack::DecodeStack(std::vector<torch::Tensor> norms_, std::vector<torch::Tensor> w_, std::vector<int64_t> dims_,
+DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor> w_, std::vector<int64_t> dims_,
                          double eps_, int64_t head_dim_)
     : norms(std::move(norms_)), w(std::move(w_)), dims(std::move(dims_)), eps(eps_), head_dim(head_dim_) {
   const size_t L = norms.size() / 2;
@@ -159,9 +161,9 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> norms_, std::vector<torch::T
               "per block: two norms and seven quantized linears");
 }
 
-torch::Tensor DecodeStack::operator()(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                                      std::vector<torch::Tensor> kcs, std::vector<torch::Tensor> vcs) const {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [B, D]");
+at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                      std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [B, D]");
   const size_t L = norms.size() / 2;
   TORCH_CHECK(kcs.size() == L && vcs.size() == L, "a K and a V cache per block");
   for (size_t l = 0; l < L; ++l)

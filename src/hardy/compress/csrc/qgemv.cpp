@@ -9,6 +9,7 @@
 // elsewhere a scalar loop.
 #include "qgemv.h"
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -98,14 +99,14 @@ struct QuantizedInput {
   int64_t T, K;
   std::vector<int8_t> codes;
   std::vector<float> scales, sums;
-  explicit QuantizedInput(const torch::Tensor& x)
+  explicit QuantizedInput(const at::Tensor& x)
       : T(x.size(0)), K(x.size(1)), codes(T * K), scales(T * K / QK), sums(T * K / QK) {
     quantize_rows(x.data_ptr<float>(), T, K, codes.data(), scales.data(), sums.data());
   }
 };
 
-void check_input(const QuantizedInput& x, const torch::Tensor& scales, int64_t rows_k, int64_t group) {
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16, "fp16 scales");
+void check_input(const QuantizedInput& x, const at::Tensor& scales, int64_t rows_k, int64_t group) {
+  TORCH_CHECK(scales.scalar_type() == at::kHalf, "fp16 scales");
   const int64_t K = x.K;
   TORCH_CHECK(K % QK == 0 && rows_k == K && group % QK == 0 && scales.size(1) == (K + group - 1) / group,
               "shape mismatch");
@@ -230,16 +231,16 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   std::memcpy(y, out, valid * sizeof(float));
 }
 
-Job q4_job(const QuantizedInput& in, const torch::Tensor& tiled, const torch::Tensor& scales, const torch::Tensor& mins,
+Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& mins,
            int64_t group, int64_t N, float* Y) {
   const int64_t T = in.T, K = in.K, nb = K / QK;
-  TORCH_CHECK(tiled.dtype() == torch::kUInt8 && tiled.is_contiguous() && tiled.size(1) * 2 == K &&
+  TORCH_CHECK(tiled.dtype() == at::kByte && tiled.is_contiguous() && tiled.size(1) * 2 == K &&
               tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
               "int4 weights: contiguous uint8 [rows rounded up to 8, K/2] in the tiled layout");
   const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
-  TORCH_CHECK(group % QK == 0 && scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+  TORCH_CHECK(group % QK == 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G && scales.size(2) == 8 &&
-              mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kFloat16 && mins.is_contiguous(),
+              mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
               "int4 scales and mins: contiguous fp16 [tiles, groups, 8]");
   const uint8_t* W = tiled.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -296,8 +297,8 @@ inline float q8_row(const int8_t* w, const uint16_t* s, const int8_t* xq, const 
 #endif
 }
 
-Job q8_job(const QuantizedInput& in, const torch::Tensor& codes, const torch::Tensor& scales, int64_t group, float* Y) {
-  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.is_contiguous(), "codes: contiguous int8 [N, K]");
+Job q8_job(const QuantizedInput& in, const at::Tensor& codes, const at::Tensor& scales, int64_t group, float* Y) {
+  TORCH_CHECK(codes.dtype() == at::kChar && codes.is_contiguous(), "codes: contiguous int8 [N, K]");
   check_input(in, scales, codes.size(1), group);
   const int64_t T = in.T, K = in.K, N = codes.size(0), G = scales.size(1), nb = K / QK, bpg = group / QK;
   const int8_t* W = codes.data_ptr<int8_t>();
@@ -311,13 +312,13 @@ Job q8_job(const QuantizedInput& in, const torch::Tensor& codes, const torch::Te
   return Job{run, N};
 }
 
-torch::Tensor flat_rows(const torch::Tensor& x_in) {
+at::Tensor flat_rows(const at::Tensor& x_in) {
   const auto x = x_in.reshape({-1, x_in.size(-1)});
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [..., K]");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [..., K]");
   return x;
 }
 
-torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x_in) {
+at::Tensor shaped(const at::Tensor& y, const at::Tensor& x_in) {
   auto shape = x_in.sizes().vec();
   shape.back() = y.size(1);
   return y.view(shape);
@@ -328,18 +329,18 @@ torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x_in) {
 // Several matrices applied to the same x [T, K]: x is quantized once and all rows share one
 // parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8), dims
 // (group, rows) per matrix.
-std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Tensor>& w,
                                       const std::vector<int64_t>& dims) {
   TORCH_CHECK(w.size() == 3 * (dims.size() / 2) && dims.size() % 2 == 0, "three tensors and two sizes per matrix");
   const QuantizedInput in(flat_rows(x));
-  std::vector<torch::Tensor> outs;
+  std::vector<at::Tensor> outs;
   std::vector<Job> jobs;
   for (size_t i = 0; i < dims.size() / 2; ++i) {
     const auto& qw = w[3 * i];
     const int64_t group = dims[2 * i], rows = dims[2 * i + 1];
-    outs.push_back(torch::empty({in.T, rows}, torch::kFloat32));
+    outs.push_back(at::empty({in.T, rows}, at::kFloat));
     float* Y = outs.back().data_ptr<float>();
-    if (qw.scalar_type() == torch::kUInt8) {
+    if (qw.scalar_type() == at::kByte) {
       jobs.push_back(q4_job(in, qw, w[3 * i + 1], w[3 * i + 2], group, rows, Y));
     } else {
       TORCH_CHECK(qw.size(0) == rows, "int8 codes: one row per output");
@@ -352,23 +353,23 @@ std::vector<torch::Tensor> qgemv_many(const torch::Tensor& x, const std::vector<
 
 // One matrix: y[t, o] = sum_k x[t, k] * w[o, k] for o < rows, x of any leading shape [..., K];
 // int4: w = code * scale + min (tiled layout, q4_job), int8: w = code * scale (mins empty).
-torch::Tensor qgemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t group,
+at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
                     int64_t rows) {
   return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
 }
 
 // Some rows of a quantized matrix, dequantized to float [n, K]: embedding lookups (the tied table
 // is the LM head's, so int4 arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
-torch::Tensor dequant_rows(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t group,
-                           torch::Tensor rows) {
-  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && qweight.is_contiguous() &&
-              scales.scalar_type() == torch::kFloat16 && scales.is_contiguous(), "int64 row ids, contiguous tables");
-  const bool int4 = qweight.scalar_type() == torch::kUInt8;
+at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
+                           at::Tensor rows) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && qweight.is_contiguous() &&
+              scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int64 row ids, contiguous tables");
+  const bool int4 = qweight.scalar_type() == at::kByte;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0), nb = K / QK;
   const int64_t G = scales.size(1), N = qweight.size(0);
   TORCH_CHECK(K % QK == 0 && group % QK == 0 && (!int4 || (mins.sizes() == scales.sizes() && scales.dim() == 3)),
               "dequant_rows: int8 codes or tiled int4");
-  auto out = torch::empty({n, K}, torch::kFloat32);
+  auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* Y = out.data_ptr<float>();
@@ -396,25 +397,18 @@ torch::Tensor dequant_rows(torch::Tensor qweight, torch::Tensor scales, torch::T
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qgemv", &qgemv, "int8 or int4 group-wise weights x int8-quantized activations");
-  m.def("dequant_rows", &dequant_rows, "some rows of an int8 or tiled int4 matrix as float");
-  py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>, double, int64_t>(),
-           "norms (2 per block), w (21 per block), dims (14 per block), eps, head_dim")
-      .def("__call__", &DecodeStack::operator(), "x, positions, cos, sin, K caches, V caches -> x after every block");
-  m.def("has_vnni", []() {
-#if defined(HARDY_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return true;
-#else
-    return false;
-#endif
-  });
-  m.def("has_avx2", []() {
+bool built_with_avx2() {
 #ifdef HARDY_AVX2
-    return true;
+  return true;
 #else
-    return false;
+  return false;
 #endif
-  });
+}
+
+bool built_with_vnni() {
+#if defined(HARDY_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
 }
