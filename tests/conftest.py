@@ -1,6 +1,8 @@
 """Shared fixtures: the real SmolLM2-135M is loaded once per test session."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -56,6 +58,21 @@ def run_hardy(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=REPO)
 
 
+def hardy_main(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in this interpreter: the same exit code, printed output and files as `run_hardy` without
+    a new interpreter's ~3 s of imports. Log lines go to pytest's log capture, not to the returned
+    stderr: tests of logged messages use run_hardy."""
+    from hardy.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["hardy", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="session")
 def micro_dataset(tmp_path_factory) -> Path:
     """A 200 kB Shakespeare slice, cleaned and tokenized with a 512-token BPE (the micro vocabulary)."""
@@ -101,3 +118,22 @@ def mini_run(tmp_path_factory) -> Path:
                              "log.progress=false", "checkpoint.at_end=true"])
     train(cfg, root / "run")
     return root
+
+
+@pytest.fixture(scope="session")
+def mini_compressed(mini_run, tmp_path_factory):
+    """`hardy compress` of the trained `mini` model with given RTN arguments, each set run once per
+    session (several test files load, export or serve the same int4 g32 / int8 models). Read-only."""
+    root = tmp_path_factory.mktemp("mini_compressed")
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in made:
+            out = root / f"m{len(made)}"
+            proc = hardy_main("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn",
+                              *args, "--no-progress")
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            made[args] = out
+        return made[args]
+
+    return get

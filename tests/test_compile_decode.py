@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_hardy
+from conftest import hardy_main, run_hardy
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +50,17 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
     assert diff < 1e-4, diff
 
 
-def test_generate_compile_cli(mini_run, tmp_path):
+def test_generate_compile_cli(mini_run, mini_compressed):
     args = ["generate", "--model", str(mini_run / "run"), "--prompt", "KING:", "--max-new-tokens", "16", "--stats"]
     plain, compiled = run_hardy(*args), run_hardy(*args, "--compile", timeout=300)
     assert plain.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
     assert compiled.stdout == plain.stdout and "compile:" in compiled.stderr and "compile:" not in plain.stderr
 
-    bad = run_hardy(*args, "--compile", "--tp", "2")
+    bad = hardy_main(*args, "--compile", "--tp", "2")
     assert bad.returncode == 2 and "--compile is for one process" in bad.stderr and "Traceback" not in bad.stderr
-    bad = run_hardy(*args, "--compile", "--no-cache")
+    bad = hardy_main(*args, "--compile", "--no-cache")
     assert bad.returncode == 2 and "--no-cache" in bad.stderr and "Traceback" not in bad.stderr
 
-    out = tmp_path / "int8"  # quantized: the fused C++ stack is the fast path; the note says compile is not applied
-    assert run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn",
-                     "--bits", "8", "--no-progress").returncode == 0
+    out = mini_compressed("--bits", "8")  # quantized: the fused C++ stack is the fast path; the note says compile is not applied
     quant = run_hardy("generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "8", "--compile")
     assert quant.returncode == 0 and "note: --compile not applied: quantized layers" in quant.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_hardy
+from conftest import hardy_main, run_hardy
 from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.compress.qlinear import QuantLinear, quantized_modules
 from hardy.eval.compare import quality
@@ -163,6 +163,6 @@ def test_cli_compress_then_generate_and_evaluate(mini_run, tmp_path):
     (["--quant", "rtn", "--prune-layers", "w2"], "--prune-layers needs --prune"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(mini_run, tmp_path, args, message):
-    proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(tmp_path / "x"), *args)
+    proc = hardy_main("compress", "--model", str(mini_run / "run"), "--out", str(tmp_path / "x"), *args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "x").exists()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_hardy
+from conftest import hardy_main, run_hardy
 from hardy.eval.compare import CompareRow, pareto, quality
 from hardy.eval.perplexity import paired_difference, perplexity
 from hardy.formats.load import load_model
@@ -44,11 +44,8 @@ def test_pareto_front():
     assert pareto(rows, "size_bytes", smaller_x_better=True) == ["a", "b", "d"]
 
 
-def test_cli_compare_table_json_and_plot(mini_run, tmp_path):
-    comp = tmp_path / "int8"
-    proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(comp), "--quant", "rtn", "--bits", "8",
-                     "--no-progress")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_cli_compare_table_json_and_plot(mini_run, mini_compressed, tmp_path):
+    comp = mini_compressed("--bits", "8")
     proc = run_hardy("eval", "compare", "--model", str(mini_run / "run"), "--model", str(comp), "--data",
                      str(mini_run / "heldout.txt"), "--ctx", "128", "--max-tokens", "2048", "--new-tokens", "8",
                      "--prompt-tokens", "16", "--threads", "1", "--json", str(tmp_path / "c.json"),
@@ -61,5 +58,5 @@ def test_cli_compare_table_json_and_plot(mini_run, tmp_path):
     assert all(r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["peak_rss_bytes"] > 10 << 20 for r in rows)
     assert (tmp_path / "c.png").stat().st_size > 10_000 and "KL (nats)" in proc.stdout and "z vs ref" in proc.stdout
     assert rows[0]["ppl_z"] == 0 and rows[1]["ppl_z"] is not None
-    bad = run_hardy("eval", "compare", "--model", str(mini_run / "run"), "--data", "tinyshakespeare")
+    bad = hardy_main("eval", "compare", "--model", str(mini_run / "run"), "--data", "tinyshakespeare")
     assert bad.returncode == 2 and "at least two" in bad.stderr

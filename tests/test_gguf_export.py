@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_hardy
+from conftest import hardy_main, run_hardy
 from hardy.formats.load import load_model
 from hardy.formats.names import unpermute_qk
 
@@ -14,29 +14,26 @@ gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
-def compressed(mini_run, tmp_path_factory):
+def compressed(mini_compressed):
     """The mini model quantized to int4 g32 (= Q4_1) and int8 g32 (= Q8_0) with hardy compress."""
-    root = tmp_path_factory.mktemp("gguf_export")
-    out = {}
-    for name, args in {"int4": ["--bits", "4", "--group-size", "32"], "int8": ["--bits", "8", "--group-size", "32"]}.items():
-        proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(root / name), "--quant", "rtn",
-                         *args, "--quantize-embeddings", "--no-progress")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        out[name] = root / name
-    return out
+    return {f"int{bits}": mini_compressed("--bits", bits, "--group-size", "32", "--quantize-embeddings")
+            for bits in ("4", "8")}
 
 
-def _export(model_dir, out, qtype) -> str:
-    proc = run_hardy("export", "--model", str(model_dir), "--format", "gguf", "--type", qtype, "--out", str(out))
+def _export(model_dir, out, qtype, as_user: bool = False) -> str:
+    """`hardy export` in this interpreter, or (as_user) in a fresh one, where its log output is seen."""
+    args = ("export", "--model", str(model_dir), "--format", "gguf", "--type", qtype, "--out", str(out))
+    proc = run_hardy(*args) if as_user else hardy_main(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "gguf:" not in proc.stderr  # the writer's chatter is silenced
+    if as_user:
+        assert "gguf:" not in proc.stderr  # the writer's chatter is silenced
     return proc.stdout
 
 
 def test_f32_export_imports_back_exactly(mini_run, tmp_path):
     from hardy.formats.gguf_io import load_gguf
 
-    _export(mini_run / "run", tmp_path / "m.gguf", "F32")
+    _export(mini_run / "run", tmp_path / "m.gguf", "F32", as_user=True)
     original = load_model(str(mini_run / "run"))
     cfg, state, tokenizer, fields = load_gguf(tmp_path / "m.gguf")
     assert cfg.norm_eps == pytest.approx(original.config.norm_eps, rel=1e-6)  # GGUF stores it as f32
@@ -97,7 +94,7 @@ def test_quantized_exports_load_and_stay_close(mini_run, tmp_path):
 
 def test_export_errors_are_one_line(mini_run, tmp_path):
     (tmp_path / "exists.gguf").write_bytes(b"x")
-    proc = run_hardy("export", "--model", str(mini_run / "run"), "--format", "gguf", "--out", str(tmp_path / "exists.gguf"))
+    proc = hardy_main("export", "--model", str(mini_run / "run"), "--format", "gguf", "--out", str(tmp_path / "exists.gguf"))
     assert proc.returncode == 2 and "already exists" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "exists.gguf").read_bytes() == b"x"  # nothing lost
     assert not list(tmp_path.glob(".exists.gguf.*"))

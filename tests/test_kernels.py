@@ -105,17 +105,12 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
         assert torch.allclose(torch.tensor(narrow[f"{bits} {size}"]), ours, rtol=1e-5, atol=1e-5), (bits, size)
 
 
-def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, tmp_path, monkeypatch):
-    from conftest import run_hardy
+def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, mini_compressed, monkeypatch):
     from hardy.compress import qlinear
     from hardy.eval.perplexity import perplexity
     from hardy.formats.load import load_model
 
-    out = tmp_path / "q4"
-    proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn", "--bits", "4",
-                     "--group-size", "32", "--quantize-embeddings", "--no-progress")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    loaded = load_model(str(out))
+    loaded = load_model(str(mini_compressed("--bits", "4", "--group-size", "32", "--quantize-embeddings")))
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.kernel is not None for m in layers)  # the tied head too
     tokens = loaded.tokenizer.encode((mini_run / "heldout.txt").read_text())[:4096]
@@ -144,18 +139,11 @@ def test_kv_cached_decode_matches_uncached_logits(mini_run):
 
 
 @pytest.fixture(scope="module")
-def int4_and_int8_models(mini_run, tmp_path_factory):
-    from conftest import run_hardy
+def int4_and_int8_models(mini_compressed):
     from hardy.formats.load import load_model
 
-    models = {}
-    for bits, group in (("4", "32"), ("8", "0")):
-        out = tmp_path_factory.mktemp("fused") / f"q{bits}"
-        proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn", "--bits",
-                         bits, "--group-size", group, "--quantize-embeddings", "--no-progress")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        models[bits] = load_model(str(out)).model
-    return models
+    return {bits: load_model(str(mini_compressed("--bits", bits, "--group-size", group, "--quantize-embeddings"))).model
+            for bits, group in (("4", "32"), ("8", "0"))}
 
 
 @pytest.mark.parametrize("bits", ["4", "8"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_hardy
+from conftest import hardy_main
 from hardy.formats.load import load_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -23,7 +23,7 @@ def _llama(path, n_ctx=512):
 
 
 def _export(model_dir, out, qtype) -> None:
-    proc = run_hardy("export", "--model", str(model_dir), "--format", "gguf", "--type", qtype, "--out", str(out))
+    proc = hardy_main("export", "--model", str(model_dir), "--format", "gguf", "--type", qtype, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -57,13 +57,10 @@ def test_float_exports_give_hardys_greedy_tokens(mini_run, tmp_path, text, qtype
 
 
 @pytest.mark.parametrize("bits,qtype", [("8", "Q8_0"), ("4", "Q4_1")])
-def test_quantized_exports_agree_with_hardy_teacher_forced(mini_run, tmp_path, text, bits, qtype):
+def test_quantized_exports_agree_with_hardy_teacher_forced(mini_compressed, tmp_path, text, bits, qtype):
     """hardy int8 g32 / int4 g32 repack losslessly into Q8_0 / Q4_1: the two runtimes then differ
     only in arithmetic (llama.cpp also quantizes activations to 8 bits)."""
-    src = tmp_path / "q"
-    proc = run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(src), "--quant", "rtn", "--bits", bits,
-                     "--group-size", "32", "--quantize-embeddings", "--no-progress")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    src = mini_compressed("--bits", bits, "--group-size", "32", "--quantize-embeddings")
     _export(src, tmp_path / "q.gguf", qtype)
     quantized = load_model(str(src))
     tokens = quantized.tokenizer.encode(text)[:N_FORCED]

@@ -2,7 +2,7 @@
 same greedy tokens as one process."""
 from __future__ import annotations
 
-from conftest import run_hardy
+from conftest import hardy_main, run_hardy
 
 
 def test_tp2_generates_the_same_greedy_tokens_as_tp1(mini_run):
@@ -13,12 +13,10 @@ def test_tp2_generates_the_same_greedy_tokens_as_tp1(mini_run):
     assert two.stdout == one.stdout and len(one.stdout) > len("KING:") + 10
 
 
-def test_tp2_quantized_model_generates_the_same_greedy_tokens(mini_run, tmp_path):
+def test_tp2_quantized_model_generates_the_same_greedy_tokens(mini_compressed):
     """Quantized layers are sharded by slicing their codes and scales (whole groups), and each slice
     runs through the fused kernels: the same greedy tokens as one process."""
-    out = tmp_path / "int4"
-    assert run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn", "--bits", "4",
-                     "--group-size", "32", "--quantize-embeddings", "--no-progress").returncode == 0
+    out = mini_compressed("--bits", "4", "--group-size", "32", "--quantize-embeddings")
     args = ["generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "32", "--threads", "2"]
     one = run_hardy(*args)
     two = run_hardy(*args, "--tp", "2", timeout=300)
@@ -44,11 +42,9 @@ def test_slices_of_quantized_layers_sum_to_the_whole_layer():
         assert torch.allclose(rows, whole, atol=1e-5) and torch.allclose(cols, whole, atol=1e-4), spec
 
 
-def test_tp_bad_input_fails_before_starting_workers(mini_run, tmp_path):
+def test_tp_bad_input_fails_before_starting_workers(mini_run, mini_compressed):
     bad = run_hardy("generate", "--model", str(mini_run / "run"), "--prompt", "x", "--tp", "3")
     assert bad.returncode == 2 and "does not divide" in bad.stderr and "Traceback" not in bad.stderr
-    out = tmp_path / "q"
-    assert run_hardy("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn",
-                     "--bits", "4", "--group-size", "128", "--no-progress").returncode == 0
-    bad = run_hardy("generate", "--model", str(out), "--prompt", "x", "--tp", "2")  # w2: 384 columns = 3 groups
+    out = mini_compressed("--bits", "4", "--group-size", "128")
+    bad = hardy_main("generate", "--model", str(out), "--prompt", "x", "--tp", "2")  # w2: 384 columns = 3 groups
     assert bad.returncode == 2 and "along whole groups" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
