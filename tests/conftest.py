@@ -65,11 +65,14 @@ def hardy_main(*args: str) -> subprocess.CompletedProcess:
     from hardy.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()  # --threads must not outlive the command
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(args))
         except SystemExit as e:  # argparse's usage errors
             code = e.code if isinstance(e.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["hardy", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -52,7 +52,7 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
 
 def test_generate_compile_cli(mini_run, mini_compressed):
     args = ["generate", "--model", str(mini_run / "run"), "--prompt", "KING:", "--max-new-tokens", "16", "--stats"]
-    plain, compiled = run_hardy(*args), run_hardy(*args, "--compile", timeout=300)
+    plain, compiled = hardy_main(*args), run_hardy(*args, "--compile", timeout=300)  # compiling in a fresh process
     assert plain.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
     assert compiled.stdout == plain.stdout and "compile:" in compiled.stderr and "compile:" not in plain.stderr
 
@@ -62,5 +62,5 @@ def test_generate_compile_cli(mini_run, mini_compressed):
     assert bad.returncode == 2 and "--no-cache" in bad.stderr and "Traceback" not in bad.stderr
 
     out = mini_compressed("--bits", "8")  # quantized: the fused C++ stack is the fast path; the note says compile is not applied
-    quant = run_hardy("generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "8", "--compile")
+    quant = hardy_main("generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "8", "--compile")
     assert quant.returncode == 0 and "note: --compile not applied: quantized layers" in quant.stderr

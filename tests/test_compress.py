@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hardy.compress import awq, gptq, prune
-from hardy.compress.quant import QuantSpec, QuantTensor, pack_int4, rtn, unpack_int4
+from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, pack_int4, rtn, unpack_int4
 from hardy.errors import HardyError
 
 
@@ -39,6 +39,15 @@ def test_rtn_round_trips_through_its_stored_form(spec):
     if spec.bits == 4:
         assert q.packed()["qweight"].shape == (64, 128) and q.packed()["qweight"].dtype == torch.uint8
     assert q.stored_bits() == pytest.approx(spec.bits + 16 * (1 if spec.symmetric else 2) / (spec.group_size or 256))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128)])
+def test_fake_quantize_is_rtn_then_dequantize_bit_for_bit(spec):
+    """AWQ's searches score candidates with fake_quantize: it must be exactly what rtn stores (576
+    columns: a narrower last group at 128)."""
+    w = torch.randn(48, 576) * 0.02
+    w[:, 512:] *= 5
+    assert torch.equal(fake_quantize(w, spec), rtn(w, spec).dequantize())
 
 
 def test_a_narrower_last_group():

@@ -145,11 +145,11 @@ def test_cli_compress_then_generate_and_evaluate(mini_run, tmp_path):
                      "--calib-seq", "64", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "mean layer-output error" in proc.stdout and "(RTN " in proc.stdout
-    gen = run_hardy("generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "8", "--stats")
+    gen = hardy_main("generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "8", "--stats")
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith("KING:") and "decode:" in gen.stderr
-    ev = run_hardy("eval", "perplexity", "--model", str(out), "--data", str(mini_run / "heldout.txt"), "--ctx", "128",
-                   "--max-tokens", "2048", "--json", "--no-progress")
+    ev = hardy_main("eval", "perplexity", "--model", str(out), "--data", str(mini_run / "heldout.txt"), "--ctx", "128",
+                    "--max-tokens", "2048", "--json", "--no-progress")
     assert ev.returncode == 0 and json.loads(ev.stdout)["ppl"] > 1
 
 

@@ -12,14 +12,15 @@ in KL to the dense model (1.4–3.7× margins); here, on a model near its optimu
 fidelity.
 
 Only BLOCKS are compressed (the rest stay dense and carry the calibration activations on): AWQ's search
-alone takes 210 s for all 30 blocks here. They are the blocks where RTN int4 g128 costs the most
-perplexity on its own (29: +7.7%, 19: +5.0%, 20: +3.1%; most blocks cost < 1%, some "gain" from the
-same first-order noise). The weights are fixed, not trained in the session, so the margins are the same
-on every machine. Measured on the slice used here / two more 1,024-token slices of WikiText-2 test:
-int4 g128 RTN +16.5 / +12.1 / +16.5%, GPTQ +6.0 / +7.2 / +6.4%, AWQ −0.1 / +3.0 / +1.4%; int3 g128 RTN
-+32 / +47 / +42%, GPTQ +15 / +25 / +14%, AWQ +9 / +10 / +11%; 50%: magnitude +59 / +131 / +166%, Wanda
-+4 / +6 / +8%, SparseGPT +7 / +12 / +15%; 2:4: magnitude +66 / +82 / +122%, Wanda +18 / +17 / +19%,
-SparseGPT +13 / +21 / +18%.
+alone takes 210 s for all 30 blocks here. They are the two blocks where RTN int4 g128 costs the most
+perplexity on its own (29: +7.7%, 19: +5.0%; most blocks cost < 1%, some "gain" from the same
+first-order noise). The weights are fixed, not trained in the session, so the margins are the same on
+every machine. Measured on the slice used here / two more 1,024-token slices of WikiText-2 test (from
+tokens 20,000 and 40,000): int4 g128 RTN +13.3 / +10.5 / +10.9%, GPTQ +3.9 / +0.7 / +2.1%, AWQ
+−0.5 / +1.2 / +1.6%; int3 g128 RTN +25 / +37 / +26%, GPTQ +12 / +13 / +12%, AWQ +4 / +6 / +4%; 50%:
+magnitude +58 / +170 / +118%, Wanda +0.1 / +5 / +4%, SparseGPT +3 / +10 / +5%; 2:4: magnitude +51 /
++102 / +63%, Wanda +10 / +17 / +9%, SparseGPT +8 / +14 / +13%. (With blocks 19, 20 and 29 the margins
+were alike and the tests took a third longer.)
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.errors import HardyError
 from hardy.eval.perplexity import perplexity
 
-BLOCKS = (19, 20, 29)
+BLOCKS = (19, 29)
 
 
 @pytest.fixture(scope="module")

@@ -167,8 +167,11 @@ def test_malformed_requests_get_4xx_json_and_the_server_lives(served, path, body
     assert served.json("GET", "/health")[0] == 200
 
 
-def test_queue_full_is_503_with_retry_after(mini_run):
-    s = Served(str(mini_run / "run"), "--max-batch", "1", "--max-queue", "1", "--max-tokens", "200")
+def test_queue_full_is_503_with_retry_after_then_sigterm_drains(mini_run):
+    """One server for both (a start costs ~4 s): a full queue answers 503, then SIGTERM lets a running
+    request finish."""
+    s = Served(str(mini_run / "run"), "--max-batch", "1", "--max-queue", "1", "--max-tokens", "200",
+               "--drain-timeout", "60")
     try:
         answers = []
 
@@ -184,8 +187,10 @@ def test_queue_full_is_503_with_retry_after(mini_run):
         assert 200 in statuses and 503 in statuses, statuses
         full = next(a for a in answers if a[0] == 503)
         assert full[1]["Retry-After"] == "1" and json.loads(full[2])["error"]["code"] == "queue_full"
-    finally:
+    except BaseException:
         s.stop()
+        raise
+    sigterm_drains_a_running_request(s)
 
 
 def sigterm_drains_a_running_request(s: Served) -> None:
@@ -207,10 +212,6 @@ def sigterm_drains_a_running_request(s: Served) -> None:
     assert s.proc.wait(timeout=60) == 0
     assert "drained" in s.proc.stderr.read()
     s.stop()
-
-
-def test_sigterm_drains_running_requests(mini_run):
-    sigterm_drains_a_running_request(Served(str(mini_run / "run"), "--max-tokens", "200", "--drain-timeout", "60"))
 
 
 def test_tp2_server_starts_its_workers_batches_and_drains(mini_run, reference):

@@ -7,7 +7,7 @@ from conftest import hardy_main, run_hardy
 
 def test_tp2_generates_the_same_greedy_tokens_as_tp1(mini_run):
     args = ["generate", "--model", str(mini_run / "run"), "--prompt", "KING:", "--max-new-tokens", "32", "--threads", "2"]
-    one = run_hardy(*args)
+    one = hardy_main(*args)
     two = run_hardy(*args, "--tp", "2", timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and len(one.stdout) > len("KING:") + 10
@@ -18,7 +18,7 @@ def test_tp2_quantized_model_generates_the_same_greedy_tokens(mini_compressed):
     runs through the fused kernels: the same greedy tokens as one process."""
     out = mini_compressed("--bits", "4", "--group-size", "32", "--quantize-embeddings")
     args = ["generate", "--model", str(out), "--prompt", "KING:", "--max-new-tokens", "32", "--threads", "2"]
-    one = run_hardy(*args)
+    one = hardy_main(*args)
     two = run_hardy(*args, "--tp", "2", timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and len(one.stdout) > len("KING:") + 10

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor, grouped, rtn
+from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, fake_quantize_groups, grouped, rtn
 
 GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # 1.0 .. 0.55
@@ -56,7 +56,7 @@ def search_scale(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec) 
     x_mean = x.float().abs().mean(dim=0)
     best, best_s = float("inf"), torch.ones_like(x_mean)
     for s in candidate_scales(x_mean, _weight_salience(weights, spec)):
-        loss = sum(_output_error(m, rtn(w.float() * s, spec).dequantize() / s - w.float()) for w in weights)
+        loss = sum(_output_error(m, fake_quantize(w.float() * s, spec) / s - w.float()) for w in weights)
         if loss < best:
             best, best_s = loss, s
     return best_s
@@ -84,8 +84,9 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
 
     def consider(r_lo, r_hi) -> None:
         nonlocal best_err, best_lo, best_hi
-        clipped = clip(r_lo, r_hi)
-        delta = grouped(rtn(clipped.reshape(out, -1)[:, :cols], spec).dequantize(), g) - wg
+        # the padding of a narrower last group repeats its last column, as rtn's own grouping does, and
+        # meets zero rows of m: the same errors as quantizing the clipped [out, in] matrix
+        delta = fake_quantize_groups(clip(r_lo, r_hi), spec) - wg
         err = (torch.matmul(delta.transpose(0, 1), m).transpose(0, 1) * delta).sum(-1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
