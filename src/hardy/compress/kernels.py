@@ -65,7 +65,7 @@ def load(verbose: bool = False):
     tag, flags = _isa()
     version = torch.__version__.split("+")[0].replace(".", "_")
     # the sources' paths and bytes in the name: two checkouts (or two versions) sharing the cache each keep
-    # their own build instead of rebuilding over each other's (measured: ~60 s per rebuild here)
+    # their own build instead of rebuilding over each other's (a rebuild: ~30 s here)
     digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in [*SOURCES, CSRC / "qgemv.h"])).hexdigest()[:10]
     name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
     directory = build_dir() / name
