@@ -77,15 +77,15 @@ void rope(at::Tensor& t, int64_t heads, int64_t hd, const int64_t* pos, const fl
 // The linears `first .. first+count-1` of the block applied to the same x (one quantization of x);
 // w and dims point at the block's 21 tensors and 14 sizes.
 std::vector<at::Tensor> linears(const at::Tensor* w, const int64_t* dims, int first, int count,
-                                   const at::Tensor& x) {
+                                const at::Tensor& x) {
   return qgemv_many(x, std::vector<at::Tensor>(w + 3 * first, w + 3 * (first + count)),
                     std::vector<int64_t>(dims + 2 * first, dims + 2 * (first + count)));
 }
 
 at::Tensor block(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
-                    const at::Tensor& sin, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, double eps,
-                    const at::Tensor* w, const int64_t* dims, const at::Tensor& kc, const at::Tensor& vc,
-                    int64_t head_dim) {
+                 const at::Tensor& sin, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, double eps,
+                 const at::Tensor* w, const int64_t* dims, const at::Tensor& kc, const at::Tensor& vc,
+                 int64_t head_dim) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat, "float32 KV cache");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == x.size(0), "one position per row");
   const int64_t B = x.size(0), hd = head_dim, S = kc.size(2), KVH = kc.size(1);
@@ -162,7 +162,7 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor>
 }
 
 at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                                      std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const {
+                                 std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [B, D]");
   const size_t L = norms.size() / 2;
   TORCH_CHECK(kcs.size() == L && vcs.size() == L, "a K and a V cache per block");

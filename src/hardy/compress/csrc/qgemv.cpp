@@ -330,7 +330,7 @@ at::Tensor shaped(const at::Tensor& y, const at::Tensor& x_in) {
 // parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8), dims
 // (group, rows) per matrix.
 std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                                      const std::vector<int64_t>& dims) {
+                                   const std::vector<int64_t>& dims) {
   TORCH_CHECK(w.size() == 3 * (dims.size() / 2) && dims.size() % 2 == 0, "three tensors and two sizes per matrix");
   const QuantizedInput in(flat_rows(x));
   std::vector<at::Tensor> outs;
@@ -354,14 +354,14 @@ std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Te
 // One matrix: y[t, o] = sum_k x[t, k] * w[o, k] for o < rows, x of any leading shape [..., K];
 // int4: w = code * scale + min (tiled layout, q4_job), int8: w = code * scale (mins empty).
 at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
-                    int64_t rows) {
+                 int64_t rows) {
   return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
 }
 
 // Some rows of a quantized matrix, dequantized to float [n, K]: embedding lookups (the tied table
 // is the LM head's, so int4 arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
 at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
-                           at::Tensor rows) {
+                        at::Tensor rows) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && qweight.is_contiguous() &&
               scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int64 row ids, contiguous tables");
   const bool int4 = qweight.scalar_type() == at::kByte;

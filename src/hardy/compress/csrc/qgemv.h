@@ -13,16 +13,16 @@ bool built_with_avx2();
 bool built_with_vnni();
 
 std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                                      const std::vector<int64_t>& dims);
+                                   const std::vector<int64_t>& dims);
 // All transformer blocks of a model for one new token per row (decode_layer.cpp): built once with
 // the blocks' weights, so a decode step passes only the activations and the KV caches.
 struct DecodeStack {
   DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps,
               int64_t head_dim);
   at::Tensor operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                           std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const;
+                        std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const;
   std::vector<at::Tensor> norms, w;  // per block: attention and FFN norm; 7 x (qweight, scales, mins)
-  std::vector<int64_t> dims;            // per block: 7 x (group, rows)
+  std::vector<int64_t> dims;         // per block: 7 x (group, rows)
   double eps;
   int64_t head_dim;
 };
