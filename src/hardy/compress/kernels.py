@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 # three translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
 SOURCES = [CSRC / "qgemv.cpp", CSRC / "decode_layer.cpp", CSRC / "bindings.cpp"]
+HEADERS = [CSRC / "qgemv.h"]
 _module = None
 _tried = False
 
@@ -66,7 +67,7 @@ def load(verbose: bool = False):
     version = torch.__version__.split("+")[0].replace(".", "_")
     # the sources' paths and bytes in the name: two checkouts (or two versions) sharing the cache each keep
     # their own build instead of rebuilding over each other's (a rebuild: ~30 s here)
-    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in [*SOURCES, CSRC / "qgemv.h"])).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:10]
     name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)

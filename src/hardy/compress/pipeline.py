@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hardy.compress import awq, gptq, prune
-from hardy.compress.quant import QuantSpec, QuantTensor, rtn
+from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, rtn
 from hardy.errors import HardyError
 
 QUANT_METHODS = ("rtn", "gptq", "awq")
@@ -276,7 +276,7 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
                     quantized[full] = q
                     w_hat = q.dequantize()
                     rtn_error = _rel_error(samples[kind], originals[name], samples[kind],
-                                           rtn(unscaled[name], spec).dequantize())
+                                           fake_quantize(unscaled[name], spec))
                 else:
                     w_hat = w
                 error = _rel_error(samples[kind], originals[name], xs, w_hat, out_scales.get(name))
