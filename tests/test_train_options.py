@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from trainutil import in_process, rel_close, step_losses
+from trainutil import in_process, read_records, rel_close, step_losses
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +90,30 @@ def test_fused_linear_cross_entropy_matches_reference():
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
 
-def test_loss_scaler_backs_off_and_grows():
-    from hardy.train.precision import LossScaler
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, micro_dataset):
+    # 2^22 x the loss overflows fp16 in backward: torch's GradScaler finds the inf, the trainer skips
+    # the step on every rank, and the scale halves until it fits; then training proceeds.
+    in_process(tmp_path / "ovf", micro_dataset, "precision.dtype=fp16", "precision.loss_scale=4194304",
+               "train.steps=8")
+    steps = [r for r in read_records(tmp_path / "ovf") if r["event"] == "step"]
+    skipped = [r["skipped"] for r in steps]
+    scales = [r["loss_scale"] for r in steps]
+    assert skipped[0] and not all(skipped), skipped
+    for i in range(len(steps) - 1):  # a skipped step halves the scale; a good one keeps it (growth: 200 steps)
+        assert scales[i + 1] == (scales[i] / 2 if skipped[i] else scales[i]), scales
+    assert all(r["grad_norm"] is not None for r, bad in zip(steps, skipped) if not bad)  # finite when applied
+    assert steps[-1]["loss"] < steps[skipped.index(False)]["loss"]
 
-    s = LossScaler(True, init_scale=1024.0, growth_interval=2)
-    s.update(overflow=True)
-    assert s.scale == 512.0
-    s.update(False)
-    s.update(False)
-    assert s.scale == 1024.0
-    assert LossScaler(False).scale == 1.0
+
+def test_grad_scaler_resumes_the_earlier_format():
+    from hardy.train.precision import load_scaler_state, make_grad_scaler
+
+    scaler = make_grad_scaler(True, torch.device("cpu"), False, 65536.0, 200)
+    load_scaler_state(scaler, {"scale": 1024.0, "good_steps": 3}, 200)  # hardy's own scaler, before torch's
+    assert scaler.get_scale() == 1024.0 and scaler._get_growth_tracker() == 3
+    assert scaler.get_growth_interval() == 200
+    load_scaler_state(scaler, {}, 200)  # saved without scaling (bf16/fp32): the configured start stays
+    assert scaler.get_scale() == 1024.0
 
 
 def test_global_grad_norm_matches_torch():

@@ -13,9 +13,12 @@ BASE = ["model.preset=micro", "data.seq_len=64", "train.micro_batch=4", "train.s
         "log.progress=false", "checkpoint.at_end=false"]
 
 
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def step_losses(run_dir: Path) -> list[float]:
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if r["event"] == "step"]
+    return [r["loss"] for r in read_records(run_dir) if r["event"] == "step"]
 
 
 def launch(run_dir: Path, dataset: Path, nproc: int, *sets: str, threads: int = 1, timeout: float = 240,

@@ -22,15 +22,31 @@ def add_model_args(p, threads: bool = True) -> None:
     p.add_argument("--model", required=True,
                    help="smollm2-135m, a .gguf file, or a model directory (hardy export / Hugging Face layout)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="compute dtype (default fp32)")
+    add_device_arg(p)
     if threads:
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_device_arg(p) -> None:
+    p.add_argument("--device", default="auto",
+                   help="auto (default: CUDA when present for float models; quantized ones stay on the CPU, "
+                        "where hardy's int8/int4 kernels run), cpu, cuda or cuda:N")
+
+
+def requested_device(args) -> torch.device:
+    """The device `--device` names for `--model` (auto: see add_device_arg)."""
+    from hardy.devices import resolve_device
+    from hardy.formats.load import is_quantized_source
+
+    spec = getattr(args, "device", "auto")
+    return resolve_device(spec, quantized=spec in ("auto", None) and is_quantized_source(args.model))
 
 
 def load_from_args(args, need_tokenizer: bool = True):
     from hardy.formats.load import load_model, set_threads
 
     set_threads(getattr(args, "threads", None))
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype])
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args))
     if need_tokenizer and loaded.tokenizer is None:
         raise HardyError(f"{args.model}: the model has no tokenizer")
     return loaded

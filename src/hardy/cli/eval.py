@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from hardy.cli.common import Parser, add_model_args, load_from_args
+from hardy.cli.common import Parser, add_device_arg, add_model_args, load_from_args
 
 
 def register(sub) -> None:
@@ -55,6 +55,7 @@ def register_compare(tasks) -> None:
     pc.add_argument("--max-tokens", type=int, default=None, help="only use the first N tokens of the data")
     pc.add_argument("--batch", type=int, default=4, help="chunks evaluated together")
     pc.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    add_device_arg(pc)
     pc.add_argument("--no-speed", action="store_true", help="skip the speed and peak-RSS measurement")
     pc.add_argument("--prompt-tokens", type=int, default=128)
     pc.add_argument("--new-tokens", type=int, default=64)
@@ -71,7 +72,8 @@ def run_compare(args) -> int:
     from hardy.errors import HardyError
     from hardy.eval.compare import (CompareRow, format_table, measure_speed, plot, quality, rows_to_json,
                                     size_on_disk)
-    from hardy.formats.load import load_model, set_threads
+    from hardy.devices import resolve_device
+    from hardy.formats.load import is_quantized_source, load_model, set_threads
 
     if len(args.model) < 2:
         raise HardyError("give at least two --model (the first is the reference)")
@@ -79,7 +81,9 @@ def run_compare(args) -> int:
     ctx = args.ctx or (512 if args.protocol == "llama.cpp" else 2048)
     set_threads(args.threads)
     sizes = [size_on_disk(m) for m in args.model]
-    loaded = [load_model(m) for m in args.model]
+    devices = [resolve_device(args.device, quantized=args.device == "auto" and is_quantized_source(m))
+               for m in args.model]
+    loaded = [load_model(m, device=d) for m, d in zip(args.model, devices)]
     tok = loaded[0].tokenizer
     if tok is None:
         raise HardyError(f"{args.model[0]}: the reference model has no tokenizer")
@@ -96,11 +100,11 @@ def run_compare(args) -> int:
                       batch_size=args.batch, progress=not args.no_progress)
     del loaded
     rows = []
-    for spec, size, q in zip(args.model, sizes, results):
+    for spec, size, q, device in zip(args.model, sizes, results, devices):
         q.pop("chunk_nll")
         row = CompareRow(model=spec, size_bytes=size, **q)
         if not args.no_speed:
-            s = measure_speed(spec, args.threads, args.prompt_tokens, args.new_tokens)
+            s = measure_speed(spec, args.threads, args.prompt_tokens, args.new_tokens, device=str(device))
             row.prefill_tps, row.decode_tps, row.peak_rss_bytes = s["prefill_tps"], s["decode_tps"], s["peak_rss_bytes"]
         rows.append(row)
     print(format_table(rows))

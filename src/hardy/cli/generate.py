@@ -38,6 +38,10 @@ def run(args) -> int:
         raise HardyError(f"--tp must be >= 1 (got {args.tp})")
     if args.compile and args.tp > 1:
         raise HardyError("--compile is for one process; drop it or --tp")
+    if args.tp > 1:
+        from hardy.infer.tensor_parallel import cpu_only
+
+        cpu_only(args)
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
         from hardy.formats.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun

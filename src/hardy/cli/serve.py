@@ -41,6 +41,10 @@ def run(args) -> int:
         raise HardyError("--context must be >= 2")
     if args.drain_timeout < 0:
         raise HardyError("--drain-timeout must be >= 0")
+    if args.tp > 1:
+        from hardy.infer.tensor_parallel import cpu_only
+
+        cpu_only(args)
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
         from hardy.formats.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun

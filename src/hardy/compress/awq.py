@@ -76,7 +76,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
     if spec.symmetric:
         lo = -torch.maximum(lo.abs(), hi.abs())
         hi = -lo
-    best_err = torch.full((out, groups, 1), float("inf"))
+    best_err = torch.full((out, groups, 1), float("inf"), device=w.device)
     best_lo, best_hi = torch.ones_like(lo), torch.ones_like(hi)
 
     def clip(r_lo, r_hi) -> torch.Tensor:
@@ -94,11 +94,11 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: QuantSpec) -> torch.Tens
 
     if spec.symmetric:
         for r in CLIP_RATIOS:
-            consider(torch.tensor(r), torch.tensor(r))
+            consider(torch.tensor(r, device=w.device), torch.tensor(r, device=w.device))
     else:
         for r_lo in CLIP_RATIOS:
             for r_hi in CLIP_RATIOS:
-                consider(torch.tensor(r_lo), torch.tensor(r_hi))
+                consider(torch.tensor(r_lo, device=w.device), torch.tensor(r_hi, device=w.device))
         for step in (0.025, 0.0125):
             centre_lo, centre_hi = best_lo, best_hi
             for d_lo in (-step, 0.0, step):

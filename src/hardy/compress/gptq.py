@@ -24,7 +24,7 @@ def damped_inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
     for attempt in range(6):
         lam = damp * (10 ** attempt) * mean_diag
         try:
-            chol = torch.linalg.cholesky(h + lam * torch.eye(h.shape[0], dtype=h.dtype))
+            chol = torch.linalg.cholesky(h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device))
             inv = torch.cholesky_inverse(chol)
             return torch.linalg.cholesky(inv, upper=True).float()
         except torch.linalg.LinAlgError:
@@ -45,8 +45,8 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, block_size: in
         w = w * mask
     group = spec.group_width(cols)
     groups = spec.groups(cols)
-    scale = torch.empty(out_features, groups)
-    mins = None if spec.symmetric else torch.empty(out_features, groups)
+    scale = torch.empty(out_features, groups, device=w.device)
+    mins = None if spec.symmetric else torch.empty(out_features, groups, device=w.device)
 
     def set_group(g: int, weights: torch.Tensor) -> None:
         s, m = group_params(weights, spec)
@@ -59,18 +59,19 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, block_size: in
             set_group(g, w[:, g * group:(g + 1) * group])
         perm = torch.argsort(torch.diag(h), descending=True)
     else:
-        perm = torch.arange(cols)
+        perm = torch.arange(cols, device=w.device)
     w, h = w[:, perm], h[perm][:, perm]
     keep = None if mask is None else mask[:, perm]
     hinv = damped_inverse_cholesky(h, damp)
-    codes = torch.zeros(out_features, cols)
+    codes = torch.zeros(out_features, cols, device=w.device)
+    order = perm.tolist()  # read once: a per-column read-back would stall a GPU thousands of times
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         w1 = w[:, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = int(perm[i1 + i])
+            col = order[i1 + i]
             g = col // group
             if not act_order and col % group == 0:
                 set_group(g, torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group])

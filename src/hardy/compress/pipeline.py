@@ -15,6 +15,7 @@ import torch
 
 from hardy.compress import awq, gptq, prune
 from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, rtn
+from hardy.devices import compute_device
 from hardy.errors import HardyError
 
 QUANT_METHODS = ("rtn", "gptq", "awq")
@@ -117,11 +118,16 @@ class CompressResult:
 
 class _InputStats:
     """Σ xᵀx over calibration tokens (GPTQ, SparseGPT) — or only its diagonal Σ x_j² when no method
-    needs more (Wanda's norms; the full product costs a GEMM per chunk) — and a token sample."""
+    needs more (Wanda's norms; the full product costs a GEMM per chunk) — and a token sample.
 
-    def __init__(self, width: int, generator: torch.Generator, full: bool):
+    Accumulated in float64 on the CPU, in float32 on a GPU: most GPUs run float64 at 1/32-1/64 of
+    float32, and an fp32 GEMM's own fp32 accumulation over a chunk is what the sum adds to anyway."""
+
+    def __init__(self, width: int, generator: torch.Generator, full: bool, device: torch.device):
         self.full = full
-        self.hessian = torch.zeros(width, width, dtype=torch.float64) if full else torch.zeros(width, dtype=torch.float64)
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        shape = (width, width) if full else (width,)
+        self.hessian = torch.zeros(shape, dtype=dtype, device=device)
         self.count = 0
         self.samples: list[torch.Tensor] = []
         self.budget = SAMPLE_TOKENS
@@ -129,10 +135,12 @@ class _InputStats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        self.hessian += (x.t() @ x).double() if self.full else x.double().pow(2).sum(0)
+        h = self.hessian.dtype
+        self.hessian += (x.t() @ x).to(h) if self.full else x.to(h).pow(2).sum(0)
         self.count += x.shape[0]
         if self.budget > 0:
-            keep = x[torch.randperm(x.shape[0], generator=self.generator)[:self.budget]]
+            # the sample is drawn with a CPU generator: the same tokens whatever the device
+            keep = x[torch.randperm(x.shape[0], generator=self.generator)[:self.budget].to(x.device)]
             self.samples.append(keep)
             self.budget -= keep.shape[0]
 
@@ -152,7 +160,7 @@ def _block_inputs(block, x, cos, sin, chunk: int, full_hessian: bool) -> dict[st
         def hook(mod, args, kind=kind):
             inp = args[0]
             if kind not in stats:
-                stats[kind] = _InputStats(inp.shape[-1], gen, full_hessian)
+                stats[kind] = _InputStats(inp.shape[-1], gen, full_hessian, inp.device)
             stats[kind].add(inp)
 
         hooks.append(module.register_forward_pre_hook(hook))
@@ -224,6 +232,7 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
         if calib is None:  # data-free methods: a few random tokens only feed the error report
             calib = torch.randint(0, mcfg.vocab_size, (4, min(64, mcfg.max_seq_len)),
                                   generator=torch.Generator().manual_seed(cfg.seed))
+        calib = calib.to(compute_device(model))  # the calibration runs where the model is
         seq = calib.shape[1]
         model.reset_rope(max(seq, model._rope_len))
         cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]

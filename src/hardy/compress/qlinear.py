@@ -30,6 +30,12 @@ class QuantLinear(nn.Module):
         self.lookup = None
         self.tiled = False  # int4 tensors re-laid for the kernel (prepare); state_dict() stays in stored layout
 
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        if self.qweight.device.type != "cpu":  # the fused kernels read host memory: off the CPU, PyTorch's path
+            self.kernel = self.lookup = None
+        return out
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in ("qweight", "scales", "mins") if getattr(self, name) is not None}
 

@@ -44,11 +44,11 @@ def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, Qu
         for name, t in state.items():
             if name in quantized or (cfg.tie_embeddings and name == "output.weight"):
                 continue
-            tensors[to_format(name, "hf")] = t.detach().float().contiguous()
+            tensors[to_format(name, "hf")] = t.detach().float().contiguous().cpu()  # compressed on a GPU too
         for name, qt in quantized.items():
             base = to_format(name, "hf").removesuffix(".weight")
             for key, t in qt.packed().items():
-                tensors[f"{base}.{key}"] = t
+                tensors[f"{base}.{key}"] = t.cpu()
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "hardy": FORMAT})
         manifest = {"format": FORMAT, "packing": PACKING,
                     "tensors": {name: {**qt.spec.to_dict(), "shape": list(qt.shape)} for name, qt in quantized.items()},

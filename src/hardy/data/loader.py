@@ -18,8 +18,9 @@ from hardy.errors import HardyError
 
 class PackedLoader:
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, grad_accum: int = 1,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, pin_memory: bool = False):
         self.tokens = tokens
+        self.pin_memory = pin_memory  # page-locked batches: a CUDA copy from them is asynchronous
         self.seq_len, self.micro_batch, self.grad_accum = seq_len, micro_batch, grad_accum
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.n_samples = (len(tokens) - 1) // seq_len
@@ -33,27 +34,33 @@ class PackedLoader:
         return {"seq_len": self.seq_len, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                 "dp_size": self.dp_size, "n_samples": self.n_samples, "seed": self.seed}
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._perm_epoch:
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch != self._perm_epoch:  # host data: never a tensor whose values a step would read back
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.n_samples, generator=g), epoch
+            self._perm, self._perm_epoch = torch.randperm(self.n_samples, generator=g).tolist(), epoch
         return self._perm
 
     def _sample(self, q: int) -> np.ndarray:
         epoch, pos = divmod(q, self.n_samples)
-        start = int(self._permutation(epoch)[pos]) * self.seq_len
+        start = self._permutation(epoch)[pos] * self.seq_len
         return self.tokens[start:start + self.seq_len + 1]
 
     def epoch(self) -> float:
         """Fraction of the data seen so far (global, all ranks)."""
         return self.consumed * self.dp_size * self.micro_batch / self.n_samples
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_rows(self) -> torch.Tensor:
+        """The next micro-batch as one [micro_batch, seq_len + 1] tensor (copy it to the device in one
+        piece, then slice inputs and targets there)."""
         step, micro = divmod(self.consumed, self.grad_accum)
         first = ((step * self.grad_accum + micro) * self.dp_size + self.dp_rank) * self.micro_batch
         rows = np.stack([self._sample(first + i) for i in range(self.micro_batch)]).astype(np.int64)
         self.consumed += 1
         batch = torch.from_numpy(rows)
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.next_rows()
         return batch[:, :-1], batch[:, 1:]
 
     def state_dict(self) -> dict:

@@ -155,25 +155,41 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, clean: Cl
     eos = tok.eos_id
     if eos is None:
         raise HardyError("the tokenizer has no end-of-text token to separate documents")
-    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
-    index = {"version": INDEX_VERSION, "dtype": np.dtype(dtype).name, "vocab_size": tok.vocab_size,
-             "eos_id": eos, "tokenizer": tokenizer, "seed": seed, "splits": {}}
+    dtype = token_dtype(tok.vocab_size)
+    encoded_splits = {}
     for split, split_docs in splits.items():
         encoded = tok.backend.encode_batch(split_docs, add_special_tokens=False) if split_docs else []
         pieces = [np.asarray(e.ids + [eos], dtype=dtype) for e in encoded]
-        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+        encoded_splits[split] = (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype), len(split_docs))
+        report.tokens[split] = int(len(encoded_splits[split][0]))
+        report.documents_per_split[split] = len(split_docs)
+    write_token_dataset(out, encoded_splits, tok.vocab_size, eos, tokenizer, seed, asdict(report), shard_tokens)
+    return report
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def write_token_dataset(out: Path, splits: dict[str, tuple[np.ndarray, int]], vocab_size: int, eos_id: int,
+                        tokenizer: str, seed: int, report: dict | None = None,
+                        shard_tokens: int = 1 << 26) -> None:
+    """Token shards and index.json (written last: the completion marker) for {split: (tokens, documents)}."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab_size)
+    index = {"version": INDEX_VERSION, "dtype": np.dtype(dtype).name, "vocab_size": vocab_size,
+             "eos_id": eos_id, "tokenizer": tokenizer, "seed": seed, "splits": {}}
+    for split, (tokens, documents) in splits.items():
         shards = []
         for k, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
             chunk = tokens[start:start + shard_tokens]
             name = f"{split}_{k:05d}.bin"
             write_bytes_atomic(out / name, chunk.astype("<" + np.dtype(dtype).str[1:]).tobytes())
             shards.append({"file": name, "tokens": int(len(chunk))})
-        index["splits"][split] = {"documents": len(split_docs), "tokens": int(len(tokens)), "shards": shards}
-        report.tokens[split] = int(len(tokens))
-        report.documents_per_split[split] = len(split_docs)
-    index["report"] = asdict(report)
-    write_bytes_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())  # completion marker: written last
-    return report
+        index["splits"][split] = {"documents": documents, "tokens": int(len(tokens)), "shards": shards}
+    index["report"] = report or {}
+    write_bytes_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())
 
 
 def load_index(path: str | os.PathLike) -> dict:

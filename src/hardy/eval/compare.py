@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.eval.perplexity import chunk_batches, paired_difference, plan_chunks, summarize
 
@@ -72,12 +73,16 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
         bar = tqdm(total=len(chunks), unit="chunk", desc="compare", dynamic_ncols=True)
     for group, batch in chunk_batches(chunks, tokens, batch_size, protocol, bos_id, add_bos):
         first, last = group[0].first_scored, group[0].last_scored
-        targets = batch[:, first + 1:last + 2].flatten()
         ref_logp = None
         for m, model in enumerate(models):
-            hidden = model.hidden_states(batch)[:, first:last + 1]
+            device = compute_device(model)  # each model where it was loaded; compared on the reference's
+            hidden = model.hidden_states(batch.to(device))[:, first:last + 1]
             logp = F.log_softmax(model.output(hidden).float().flatten(0, 1), dim=-1)
-            nlls[m].append(-logp.gather(1, targets[:, None])[:, 0])
+            if m == 0:
+                targets = batch[:, first + 1:last + 2].flatten().to(logp.device)
+            else:
+                logp = logp.to(ref_logp.device)
+            nlls[m].append(-logp.gather(1, targets[:, None])[:, 0].cpu())
             per_chunk[m].extend(nlls[m][-1].view(len(group), -1).double().mean(-1).tolist())
             if m == 0:
                 ref_logp = logp
@@ -99,10 +104,11 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
     return out
 
 
-def measure_speed(spec: str, threads: int | None, prompt_tokens: int, new_tokens: int, timeout: float = 1800) -> dict:
+def measure_speed(spec: str, threads: int | None, prompt_tokens: int, new_tokens: int, timeout: float = 1800,
+                  device: str = "cpu") -> dict:
     """Prefill / decode tokens/s and peak RSS of one model, in a fresh interpreter."""
     cmd = [sys.executable, "-m", "hardy.eval.compare", "--measure", spec, str(threads or 0), str(prompt_tokens),
-           str(new_tokens)]
+           str(new_tokens), device]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
@@ -110,13 +116,13 @@ def measure_speed(spec: str, threads: int | None, prompt_tokens: int, new_tokens
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _measure_main(spec: str, threads: int, prompt_tokens: int, new_tokens: int) -> None:
+def _measure_main(spec: str, threads: int, prompt_tokens: int, new_tokens: int, device: str) -> None:
     from hardy.formats.load import load_model, set_threads
     from hardy.infer.generate import SamplingConfig, generate
     from hardy.ops.memory import peak_rss_bytes
 
     set_threads(threads or None)
-    loaded = load_model(spec)
+    loaded = load_model(spec, device=device)
     vocab = loaded.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
@@ -203,8 +209,8 @@ def rows_to_json(rows: list[CompareRow]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--measure":
-        _measure_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    if len(sys.argv) == 7 and sys.argv[1] == "--measure":
+        _measure_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:
-        print("usage: python -m hardy.eval.compare --measure SPEC THREADS PROMPT_TOKENS NEW_TOKENS", file=sys.stderr)
+        print("usage: python -m hardy.eval.compare --measure SPEC THREADS PROMPT_TOKENS NEW_TOKENS DEVICE", file=sys.stderr)
         sys.exit(2)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hardy.devices import compute_device
 from hardy.errors import HardyError
 
 PROTOCOLS = ("llama.cpp", "full")
@@ -153,9 +154,10 @@ def perplexity(model, tokens: list[int], ctx: int = 512, protocol: str = "llama.
         from tqdm import tqdm
 
         bar = tqdm(total=len(chunks), unit="chunk", desc=f"perplexity ({protocol})", dynamic_ncols=True)
+    device = compute_device(model)
     for group, batch in chunk_batches(chunks, tokens, batch_size, protocol, bos_id, add_bos):
-        nll = chunk_nll(model, batch, group[0].first_scored, group[0].last_scored)
-        nlls.append(nll.flatten())
+        nll = chunk_nll(model, batch.to(device), group[0].first_scored, group[0].last_scored)
+        nlls.append(nll.flatten().cpu())
         if bar is not None:
             bar.update(len(group))
             running = math.exp(torch.cat(nlls).double().mean().item())

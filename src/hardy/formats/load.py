@@ -61,6 +61,18 @@ def resolve_source(spec: str) -> tuple[str, Path]:
                      "a .gguf file or a model directory")
 
 
+def is_quantized_source(spec: str) -> bool:
+    """Does `--model` name a `hardy compress` directory (quantized layers)? Unresolvable specs: False
+    (loading them reports the problem)."""
+    from hardy.compress.store import is_compressed_dir
+
+    try:
+        kind, path = resolve_source(spec)
+    except HardyError:
+        return False
+    return kind == "hf" and is_compressed_dir(path)
+
+
 def config_for(spec: str) -> ModelConfig:
     """The model config of a preset or checkpoint, read without loading any weights."""
     if spec in PRESETS:
@@ -110,7 +122,7 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: s
     return model.to(device).eval()
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
     kind, path = resolve_source(spec)
     if kind == "run":
         from hardy.train.trainer import load_run_model
@@ -135,7 +147,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu
                 p.data = p.data.to(dtype)
             from hardy.compress.kernels import prepare
 
-            prepare(model)  # the fused int8/int4 decode kernels (HARDY_NO_KERNELS=1: PyTorch path only)
+            prepare(model)  # the fused int8/int4 CPU decode kernels (HARDY_NO_KERNELS=1 or CUDA: the PyTorch path)
             return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
         from hardy.formats.hf import load_hf_dir
 

@@ -62,7 +62,8 @@ def decode_hidden(model, tokens: torch.Tensor, start_pos: int | torch.Tensor) ->
     caches = [layer.attention.kv_cache for layer in model.layers]
     positions = (start_pos if isinstance(start_pos, torch.Tensor)
                  else torch.full((tokens.shape[0],), start_pos, dtype=torch.long))
-    if (fused is None or tokens.shape[1] != 1 or any(c is None or c.k.dtype != torch.float32 for c in caches)
+    if (fused is None or tokens.shape[1] != 1
+            or any(c is None or c.k.dtype != torch.float32 or c.k.device.type != "cpu" for c in caches)
             or int(positions.max()) >= min(model._rope_len, caches[0].k.shape[2])
             or not (model.rope_cos.dtype == torch.float32 and model.rope_cos.is_contiguous())):
         return model.hidden_states(tokens, start_pos)

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from hardy.devices import compute_device, synchronize
 from hardy.errors import HardyError
 
 
@@ -52,10 +53,11 @@ class Generation:
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
-    """Next token from the last position's logits [vocab]."""
+    """Next token from the last position's logits [vocab]. Sampling runs on the CPU with a CPU
+    generator whatever the model's device, so a seed draws the same tokens on every device."""
     if cfg.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    probs = torch.softmax(logits.float().cpu() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_p, dim=-1)
@@ -80,7 +82,7 @@ def _decode_step(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.
     return model.output(model.hidden_states(tokens, positions)[:, -1])
 
 
-_compiled_step = None
+_compiled_steps: dict[str, object] = {}
 # Cache sizes of a compiled decode are rounded up to this many positions, so generations of similar
 # lengths share one compiled graph; the extra positions are masked (attention cost only).
 COMPILED_CACHE_STEP = 256
@@ -102,14 +104,17 @@ def compile_blocker(model) -> str | None:
 def compiled_decode_step(model):
     """The cached single-token step under `torch.compile` (float models): positions are a tensor and
     attention spans the whole static cache, masked, so every step has the same shapes: one compile
-    per cache size (`generate` rounds it up to COMPILED_CACHE_STEP), not one per length."""
-    global _compiled_step
+    per cache size (`generate` rounds it up to COMPILED_CACHE_STEP), not one per length. On CUDA it
+    is also captured as a CUDA graph (mode "reduce-overhead"): a decode step is then one launch
+    instead of hundreds of small kernels, whose launch cost dominates a small model's step."""
     reason = compile_blocker(model)
     if reason:
         raise HardyError(f"--compile does not apply: {reason}")
-    if _compiled_step is None:
-        _compiled_step = torch.compile(_decode_step, dynamic=False)
-    return _compiled_step
+    kind = compute_device(model).type
+    if kind not in _compiled_steps:
+        mode = "reduce-overhead" if kind == "cuda" else None
+        _compiled_steps[kind] = torch.compile(_decode_step, dynamic=False, mode=mode)
+    return _compiled_steps[kind]
 
 
 @torch.inference_mode()
@@ -127,6 +132,11 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
         raise HardyError(f"prompt ({len(prompt)}) + max new tokens ({cfg.max_new_tokens}) exceeds the model's "
                          f"context of {model.cfg.max_seq_len} tokens")
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    device = compute_device(model)
+
+    def ids(rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, device=device)
+
     stop_ids = stop_ids or set()
     stats = GenerationStats(prompt_tokens=len(prompt))
     out: list[int] = []
@@ -144,10 +154,12 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
             t0 = time.perf_counter()
             # Compiles (or checks its guards). It writes the cache's last position, which no step reads:
             # the last token fed back sits at total - 2, and each row only sees positions <= its own.
-            step(model, torch.tensor([prompt[-1:]]), torch.tensor([cache_len - 1]))
+            step(model, ids([prompt[-1:]]), torch.tensor([cache_len - 1], device=device))
+            synchronize(device)
             stats.compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        logits = next_logits(model, torch.tensor([prompt]), 0)
+        logits = next_logits(model, ids([prompt]), 0)
+        synchronize(device)  # CUDA runs asynchronously: the prefill has ended when its kernels have
         stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         while True:
@@ -158,11 +170,11 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
             if token in stop_ids or len(out) >= cfg.max_new_tokens:
                 break
             if step is not None:
-                logits = step(model, torch.tensor([[token]]), torch.tensor([len(prompt) + len(out) - 1]))[0]
+                logits = step(model, ids([[token]]), torch.tensor([len(prompt) + len(out) - 1], device=device))[0]
             elif use_cache:
-                logits = next_logits(model, torch.tensor([[token]]), len(prompt) + len(out) - 1)
+                logits = next_logits(model, ids([[token]]), len(prompt) + len(out) - 1)
             else:
-                logits = next_logits(model, torch.tensor([prompt + out]), 0)
+                logits = next_logits(model, ids([prompt + out]), 0)
         stats.decode_s = time.perf_counter() - t0
     finally:
         if use_cache:

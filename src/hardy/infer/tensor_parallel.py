@@ -37,6 +37,15 @@ def relaunch_under_torchrun(nproc: int, argv: list[str], threads: int | None) ->
     return 0
 
 
+def cpu_only(args) -> None:
+    """`--tp` shards over CPU processes (gloo, one per socket): `--device auto` means the CPU there, and
+    CUDA asked for by name is refused rather than silently dropped."""
+    if args.device not in ("auto", "cpu"):
+        raise HardyError(f"--tp runs tensor-parallel CPU processes over gloo (one per socket); --device "
+                         f"{args.device} is for one process: drop --tp, or use --device cpu")
+    args.device = "cpu"
+
+
 def check_tp(spec: str, cfg, tp: int) -> None:
     """Refuse, before any process starts, a degree the model cannot be split into."""
     import json

@@ -212,19 +212,23 @@ class Transformer(nn.Module):
             params[name].copy_(value)
         self.reset_rope()
 
-    def reset_rope(self, seq_len: int | None = None) -> None:
-        """(Re)build the rotary tables on the parameters' device; cheap, grows on demand."""
+    def reset_rope(self, seq_len: int | None = None, device: torch.device | str | None = None) -> None:
+        """(Re)build the rotary tables; cheap, grows on demand. They stay where the forward runs: on
+        `device`, else where they already are (parameters may live elsewhere: FSDP2's CPU offload)."""
         seq_len = seq_len or min(self.cfg.max_seq_len, 4096)
-        device = self.norm.weight.device
-        if device.type == "meta":
-            device = None
+        if device is None:
+            device = self.rope_cos.device
+            if device.type == "meta":
+                device = self.norm.weight.device
+            if device.type == "meta":  # a model not materialized yet: real tables on the default device
+                device = None
         cos, sin = rope_tables(self.cfg, seq_len, device)
         self.rope_cos, self.rope_sin = cos, sin
         self._rope_len = seq_len
 
     def setup_kv_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
         dtype = dtype or self.norm.weight.dtype
-        device = self.norm.weight.device
+        device = self.rope_cos.device  # where the forward runs
         for layer in self.layers:
             wk = layer.attention.wk  # a quantized layer (hardy.compress) keeps no float weight
             rows = wk.weight.shape[0] if hasattr(wk, "weight") else wk.out_features

@@ -254,13 +254,21 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: lis
         print(json.dumps(rows), flush=True)
 
 
+def allreduce_backend(n_gpu: int, world: int) -> tuple[str, str]:
+    """(backend, note) for the all-reduce test's `world` processes: NCCL with one GPU each, else gloo
+    between CPU processes (rank r uses cuda:r, so fewer GPUs than ranks would ask for one that is absent)."""
+    if n_gpu >= world:
+        return "nccl", ""
+    if n_gpu:
+        return "gloo", f"{n_gpu} GPU(s) for {world} ranks: NCCL needs one each, so this is gloo between CPU processes"
+    return "gloo", ""
+
+
 def measure_allreduce(quick: bool, timeout: float | None = None) -> dict:
     """Two local processes, one thread each; gloo on CPU, NCCL when two GPUs exist.
     Returns {"error": ...} rather than raising: the rest of the profile is still worth writing."""
     world = 2
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = "nccl" if n_gpu >= 2 else "gloo"
-    note = "" if n_gpu != 1 else "one GPU: NCCL needs two, so this is gloo between CPU processes"
+    backend, note = allreduce_backend(torch.cuda.device_count() if torch.cuda.is_available() else 0, world)
     sizes = ([4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB] if quick else
              [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB])
     target = 0.05 if quick else 0.2

@@ -8,7 +8,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hardy.devices import check_cuda_index
 from hardy.errors import HardyError
+
+_store = None  # this attempt's rendezvous store (see _attempt_store), for waits longer than a collective's timeout
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,9 @@ class DistEnv:
         return self.world_size > 1
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
-    """Initialize torch.distributed when launched by torchrun (WORLD_SIZE > 1)."""
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0, single_group: bool = False) -> DistEnv:
+    """Initialize torch.distributed when launched by torchrun (WORLD_SIZE > 1); `single_group`: also
+    for one process without torchrun (a one-rank group on an in-memory store, for DDP/FSDP2 wrappers)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -37,12 +41,17 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistEnv
         raise HardyError("parallel.backend = nccl needs CUDA GPUs; use gloo on CPU")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        check_cuda_index(local_rank)  # e.g. --nproc 2 on a one-GPU machine: say so, do not ask for cuda:1
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
+        global _store
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout,
-                                store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
-                                device_id=device if use_cuda else None)
+        _store = _attempt_store(rank, world, timeout)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout, store=_store, rank=rank,
+                                world_size=world, device_id=device if use_cuda else None)
+    elif single_group and world == 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
@@ -66,25 +75,44 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_max(value: float, device) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks, in place, on the tensor's own device (the process group's: NCCL reduces
+    CUDA tensors only). No host synchronization."""
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    if not dist.is_initialized():
-        return value
-    value = value.detach().clone().double()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / dist.get_world_size()
+def main_rank_does(name: str, work, rank: int, timeout_s: float):
+    """Rank 0 runs `work()`; the others wait for it on the rendezvous store — not in a collective, whose
+    timeout (10 min) a long job such as preparing a big corpus would exceed. A failure on rank 0 reaches
+    the others as the same one-line error."""
+    if _store is None:
+        return work() if rank == 0 else None
+    key = f"done/{name}"
+    if rank == 0:
+        try:
+            result = work()
+        except HardyError as e:
+            _store.set(key, f"error:{e}")
+            raise
+        except BaseException:
+            _store.set(key, f"error:{name} failed on rank 0")
+            raise
+        _store.set(key, "ok")
+        return result
+    _store.wait([key], timedelta(seconds=timeout_s))
+    status = _store.get(key).decode()
+    if status != "ok":
+        raise HardyError(status.removeprefix("error:"))
+    return None
 
 
 def destroy() -> None:
+    global _store
     if dist.is_initialized():
         dist.destroy_process_group()
+    _store = None
 
 
 def leave_together() -> None:

@@ -3,6 +3,9 @@
 DTensor gradients are grouped by (mesh, placements); each group's local sum of squares is
 all-reduced over the mesh dimensions it is sharded on (replicated dimensions hold copies). DDP
 gradients are already averaged and identical on every rank, so they need no communication.
+
+Everything stays on the device: the result is a tensor on the process group's device, and the
+caller reads it back together with its other per-step scalars (one host sync per step).
 """
 from __future__ import annotations
 
@@ -14,15 +17,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _sq_norm(t: torch.Tensor) -> torch.Tensor:
-    # The norm is computed in the tensor's own precision (no full-size float64 copy of a 100 MB
-    # gradient); only the per-tensor results are accumulated in float64.
-    return torch.linalg.vector_norm(t).double().cpu() ** 2
+def _sq_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # Each norm in the tensor's own precision (no float64 copy of a 100 MB gradient); only the
+    # per-tensor results are accumulated in float64.
+    norms = torch._foreach_norm(tensors)
+    return torch.stack([n.double() for n in norms]).pow(2).sum()
 
 
-def global_grad_norm(params) -> float:
-    plain = torch.zeros((), dtype=torch.float64)
-    groups: dict = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+def grad_sq_norm(params, device: torch.device) -> torch.Tensor:
+    """Σ g² over every gradient of the model, all ranks included, as a float64 tensor on `device`.
+
+    Gradients may live elsewhere (FSDP2 CPU offload keeps them in host memory): each group's small
+    result moves to `device`, where the collectives run."""
+    plain: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    groups: dict = defaultdict(list)
     meshes = {}
     for p in params:
         g = p.grad
@@ -31,22 +39,33 @@ def global_grad_norm(params) -> float:
         if isinstance(g, DTensor):
             key = (id(g.device_mesh), tuple(g.placements))
             meshes[key] = (g.device_mesh, g.placements)
-            groups[key] = groups[key] + _sq_norm(g.to_local())
+            groups[key].append(g.to_local())
         else:
-            plain += _sq_norm(g.detach())
-    total = plain.item()
-    for key, sq in groups.items():
+            plain[g.device].append(g.detach())
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for tensors in plain.values():
+        total = total + _sq_sum(tensors).to(device)
+    for key, tensors in groups.items():
         mesh, placements = meshes[key]
-        t = sq.to(mesh.device_type)
+        sq = _sq_sum(tensors).to(device)
         for dim, placement in enumerate(placements):
             if placement.is_shard():
-                dist.all_reduce(t, group=mesh.get_group(dim))
-        total += t.item()
-    return math.sqrt(total)
+                dist.all_reduce(sq, group=mesh.get_group(dim))
+        total = total + sq
+    return total
+
+
+def global_grad_norm(params, device: torch.device | str = "cpu") -> float:
+    """The global norm as a Python float (a host sync: for tests and tools, not the training step)."""
+    return math.sqrt(float(grad_sq_norm(params, torch.device(device))))
 
 
 @torch.no_grad()
 def scale_grads(params, factor: float) -> None:
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
+    grads = [p.grad for p in params if p.grad is not None]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if plain:
+        torch._foreach_mul_(plain, factor)
+    for g in grads:
+        if isinstance(g, DTensor):
+            g.mul_(factor)

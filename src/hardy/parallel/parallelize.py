@@ -41,8 +41,28 @@ def preload() -> None:
     opt.step()
 
 
-def build_mesh(dims: ParallelDims, device_type: str):
-    if dims.world_size == 1:
+WRAPS = ("auto", "fsdp", "ddp")
+
+
+def wrapping(dims: ParallelDims, wrap: str = "auto") -> str | None:
+    """The data-parallel wrapper: "fsdp", "ddp" or None. `auto` follows the degrees (FSDP2 when the
+    shard degree is > 1, DDP when only replicas are); `fsdp` / `ddp` also wrap where the degree is 1 —
+    FSDP2's mixed-precision policy and CPU offload on a single device, or the same code path as a
+    multi-device run."""
+    if wrap not in WRAPS:
+        raise HardyError(f"parallel.wrap must be one of {', '.join(WRAPS)} (got {wrap!r})")
+    if wrap == "auto":
+        return "fsdp" if dims.uses_fsdp else "ddp" if dims.uses_ddp else None
+    if wrap == "fsdp" and dims.dp_replicate > 1 and dims.dp_shard == 1:
+        raise HardyError("parallel.wrap = fsdp with replicas only: set parallel.dp_shard (HSDP = replicas x shards)")
+    if wrap == "ddp" and (dims.dp_shard > 1 or dims.tp > 1):
+        raise HardyError("parallel.wrap = ddp replicates whole models: it cannot shard (dp_shard) or split (tp) them")
+    return wrap
+
+
+def build_mesh(dims: ParallelDims, device_type: str, wrap: str | None = None):
+    """The device mesh; None for one process that no wrapper needs."""
+    if dims.world_size == 1 and wrap is None:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -107,11 +127,14 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, cpu_offload: bool) -> None:
+               reduce_dtype: torch.dtype, cpu_offload: bool, pin_memory: bool = False) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Offloaded: sharded parameters, gradients and optimizer states live in host memory (pinned for
+    # asynchronous copies on CUDA), the optimizer steps on the CPU, each layer is all-gathered onto
+    # the device for its forward and backward.
+    offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     offload_policy=offload)
@@ -187,31 +210,41 @@ def assign_full_state(model: nn.Module, full) -> None:
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, materialize, *, ac: str = "none",
                 compile: bool = False, dtype: str = "fp32", reduce_dtype: str = "fp32",
-                reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+                reshard_after_forward: bool = True, cpu_offload: bool = False, wrap: str = "auto") -> nn.Module:
     """Returns the module to train (a DDP wrapper for pure data parallelism).
 
-    `materialize(model)` fills the weights after `to_empty` (before any DDP broadcast).
+    `materialize(model, device)` fills the weights after `to_empty` (before any DDP broadcast) and puts
+    the buffers (RoPE tables) on `device`, where the forward runs.
     """
+    wrapper = wrapping(dims, wrap)
+    if cpu_offload and wrapper != "fsdp":
+        raise HardyError("parallel.cpu_offload is FSDP2's: set parallel.dp_shard > 1, or parallel.wrap = \"fsdp\" "
+                         "to offload on a single device")
     if dims.uses_tp:
         apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, ac)
     if compile:
         apply_compile(model)
     param_dtype, red_dtype = DTYPES[dtype], DTYPES[reduce_dtype]
-    offload = cpu_offload and device.type == "cuda"
-    if cpu_offload and not offload:
-        log.info("parallel.cpu_offload: parameters already live in CPU memory on this host; nothing to offload")
-    if dims.uses_fsdp:
-        apply_fsdp(model, fsdp_mesh(mesh, dims), reshard_after_forward, param_dtype, red_dtype, offload)
-    elif dims.uses_ddp and dims.uses_tp:
+    if wrapper == "fsdp":
+        apply_fsdp(model, fsdp_mesh(mesh, dims), reshard_after_forward, param_dtype, red_dtype, cpu_offload,
+                   pin_memory=device.type == "cuda")
+    elif wrapper == "ddp" and dims.uses_tp:
         raise HardyError("DDP combined with tensor parallelism is not supported: shard the data dimension "
                          "instead (parallel.dp_shard) for FSDP + TP")
-    model.to_empty(device=device)
+    # FSDP2's CPU offload takes its sharded parameters in host memory (it copies them to the device per
+    # layer); materialized on the device they would stay there and its first forward would fail.
+    model.to_empty(device=materialize_device(device, cpu_offload))
     model.tie_weights()  # to_empty gives each module its own tensor; FSDP2 keeps the tie, plain modules do not
-    materialize(model)
-    if dims.uses_ddp:
+    materialize(model, device)
+    if wrapper == "ddp":
         return wrap_ddp(model, mesh, red_dtype)
     return model
+
+
+def materialize_device(device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where parameters are allocated: host memory when FSDP2 offloads them, else the compute device."""
+    return torch.device("cpu") if cpu_offload else device
 
 
 def autocast_context(device: torch.device, dtype: str, uses_fsdp: bool):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hardy.devices import compute_device
 from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.generate import SamplingConfig, sample
 
@@ -62,6 +63,7 @@ class ModelRunner:
 
     def __init__(self, model, max_batch: int, context: int):
         self.model = model
+        self.device = compute_device(model)
         model.setup_kv_cache(max_batch, context)
         self._caches = [layer.attention.kv_cache for layer in model.layers]
 
@@ -71,7 +73,7 @@ class ModelRunner:
         for layer, cache in zip(self.model.layers, self._caches):
             layer.attention.kv_cache = cache.rows(row, row + 1)
         try:
-            return self.model.output(self.model.hidden_states(prompt, 0)[0, -1])
+            return self.model.output(self.model.hidden_states(prompt.to(self.device), 0)[0, -1])
         finally:
             for layer, cache in zip(self.model.layers, self._caches):
                 layer.attention.kv_cache = cache
@@ -79,6 +81,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens [n, 1] at positions [n]) for cache rows 0..n-1; logits [n, V]."""
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         return self.model.output(decode_hidden(self.model, tokens, positions)[:, -1])
 
     def idle(self) -> None:
@@ -177,7 +180,7 @@ class Engine:
         positions = torch.zeros(n, dtype=torch.long)
         for i in active:
             tokens[i, 0], positions[i] = self.slots[i].last, self.slots[i].position
-        logits = self.runner.decode(tokens, positions)
+        logits = self.runner.decode(tokens, positions).cpu()  # one copy back per step, not one per row
         self.largest_batch = max(self.largest_batch, len(active))
         self.steps += 1
         for i in active:

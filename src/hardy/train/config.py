@@ -33,12 +33,17 @@ class ModelSection:
     preset: str = "tiny"
     init_from: str = ""  # "" = from scratch; else smollm2-135m, a .gguf file or a model directory
     dropout: float = 0.0  # residual dropout while training (the model config's `dropout`)
+    # a preset's first N blocks only (0 = all): a real model's shapes at a size one device holds, for
+    # throughput measurements and checking the planner (the GPU check trains 8 of Llama 3.1 8B's 32)
+    n_layers: int = 0
 
     def __post_init__(self):
         from hardy.model.config import PRESETS
 
         _check(self.preset in PRESETS, f"model.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1) (got {self.dropout})")
+        _check(self.n_layers >= 0, f"model.n_layers must be >= 0 (got {self.n_layers})")
+        _check(not (self.n_layers and self.init_from), "model.n_layers applies to a preset, not to model.init_from")
 
 
 @dataclass
@@ -63,7 +68,11 @@ class TrainSection:
     grad_accum: int = 1
     activation_checkpoint: str = "none"  # none | full | every:K
     compile: bool = False
+    # Repeatable kernels, so a resumed run equals an uninterrupted one bit for bit (on the same hardware,
+    # world size and software). On CUDA: a fixed cuBLAS workspace and cuDNN's deterministic algorithms,
+    # and torch's deterministic variants (embedding backward, index ops); docs/gpu.md gives its cost.
     deterministic: bool = True
+    peak_tflops: float = 0.0  # the peak MFU is reported against (the datasheet's); 0 = measure a matmul
     threads: int = 0  # 0 = leave torch's default (torchrun sets OMP_NUM_THREADS=1 per process)
     # CPU: hand freed memory back to the OS at once (glibc mmap for blocks >= 64 KiB). Peak RSS then
     # tracks live tensors (what `hardy plan` predicts) instead of growing with heap fragmentation
@@ -75,6 +84,7 @@ class TrainSection:
         _check(self.micro_batch >= 1, f"train.micro_batch must be >= 1 (got {self.micro_batch})")
         _check(self.grad_accum >= 1, f"train.grad_accum must be >= 1 (got {self.grad_accum})")
         _check(self.threads >= 0, f"train.threads must be >= 0 (got {self.threads})")
+        _check(self.peak_tflops >= 0, f"train.peak_tflops must be >= 0 (got {self.peak_tflops})")
         ac = self.activation_checkpoint
         ok = ac in ("none", "full") or (ac.startswith("every:") and ac[6:].isdigit() and int(ac[6:]) >= 1)
         _check(ok, f"train.activation_checkpoint must be none, full or every:K (got {ac!r})")
@@ -106,11 +116,15 @@ class ParallelSection:
     dp_shard: int = 1
     tp: int = 1
     reshard_after_forward: bool = True  # FSDP2: True = full shard (ZeRO-3), False = shard-grad-op (ZeRO-2)
-    cpu_offload: bool = False
+    cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer states in host memory
     backend: str = "auto"  # auto | gloo | nccl
+    # auto: FSDP2 when dp_shard > 1, DDP when only dp_replicate > 1; fsdp / ddp: that wrapper even at
+    # degree 1 (FSDP2's mixed precision and CPU offload on one device; one process gets a one-rank group)
+    wrap: str = "auto"
 
     def __post_init__(self):
         _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
+        _check(self.wrap in ("auto", "fsdp", "ddp"), f"parallel.wrap must be auto, fsdp or ddp (got {self.wrap!r})")
 
 
 @dataclass
@@ -119,6 +133,7 @@ class PrecisionSection:
     reduce_dtype: str = "fp32"  # gradient reduction dtype
     loss_scale: float = 65536.0  # fp16 only: initial dynamic loss scale
     loss_scale_growth_interval: int = 200
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (Ampere and newer); no effect on CPUs
 
     def __post_init__(self):
         _check(self.dtype in DTYPE_NAMES, f"precision.dtype must be one of {', '.join(DTYPE_NAMES)}")

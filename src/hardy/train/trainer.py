@@ -18,6 +18,7 @@ import torch
 
 from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from hardy.data.loader import PackedLoader
+from hardy.devices import configure_cuda
 from hardy.errors import HardyError
 from hardy.fsio import write_json_atomic
 from hardy.fault.goodput import account, format_goodput
@@ -30,13 +31,14 @@ from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
 from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
-from hardy.parallel.grads import global_grad_norm, scale_grads
+from hardy.parallel.grads import grad_sq_norm, scale_grads
 from hardy.parallel.parallelize import preload as preload_parallel
 from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh,
-                                        grad_sync_context, parallelize)
+                                        grad_sync_context, parallelize, wrapping)
 from hardy.train.config import TrainConfig
 from hardy.train.metrics import MetricsLogger
-from hardy.train.precision import LossScaler
+from hardy.train.precision import load_scaler_state, make_grad_scaler, quiet_unscale, scale_tensor
+from hardy.train.timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,10 @@ def prepare_dataset(cfg: TrainConfig, run_dir: Path, env: D.DistEnv) -> Path:
     if cfg.data.path:
         return Path(cfg.data.path)
     target = run_dir / "data"
-    if env.is_main and not (target / INDEX_FILE).exists():
+
+    def work():
+        if (target / INDEX_FILE).exists():
+            return
         cmd = [sys.executable, "-m", "hardy", "data", "prepare", "--input", *cfg.data.inputs,
                "--tokenizer", cfg.data.tokenizer, "--out", str(target), "--val-fraction", str(cfg.data.val_fraction),
                "--seed", str(cfg.train.seed)]
@@ -83,7 +88,9 @@ def prepare_dataset(cfg: TrainConfig, run_dir: Path, env: D.DistEnv) -> Path:
             print(f"data: {line}", flush=True)
         if proc.returncode:
             raise HardyError(proc.stderr.strip().removeprefix("hardy: error: ") or "data preparation failed")
-    D.barrier()
+
+    # The others wait on the store, not in a barrier: a big corpus takes longer than a collective's timeout.
+    D.main_rank_does("prepare-dataset", work, env.rank, cfg.fault.startup_timeout_s or 7 * 86400)
     return target
 
 
@@ -99,6 +106,8 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig
                              f"{mcfg.vocab_size}: prepare the data with the model's tokenizer")
         return mcfg.replace(dropout=cfg.model.dropout), loaded.model.state_dict()
     mcfg = get_preset(cfg.model.preset)
+    if cfg.model.n_layers:
+        mcfg = mcfg.replace(n_layers=cfg.model.n_layers, name=f"{mcfg.name}[:{cfg.model.n_layers} layers]")
     # the vocabulary comes from the data's tokenizer; dropout is a training choice
     return mcfg.replace(vocab_size=vocab_size, dropout=cfg.model.dropout), None
 
@@ -130,16 +139,28 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, watchdog: Watchdog):
         self.cfg, self.run_dir, self.watchdog = cfg, Path(run_dir), watchdog
-        self.env = D.init_distributed(cfg.parallel.backend)
+        cuda_notes = []
+        if torch.cuda.is_available() and cfg.parallel.backend != "gloo":  # before the first cuBLAS call
+            cuda_notes = configure_cuda(cfg.train.deterministic, cfg.precision.tf32)
+        # A wrapper at world size 1 (parallel.wrap) still needs a process group: a one-rank one.
+        self.env = D.init_distributed(cfg.parallel.backend, single_group=cfg.parallel.wrap != "auto")
+        device = self.env.device
+        self.device_notes = [torch.cuda.get_device_name(device), *cuda_notes] if device.type == "cuda" else []
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.dims = ParallelDims.build(self.env.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
                                        cfg.parallel.tp)
-        # Peak FLOP/s for MFU, measured before the memory meter starts so its matrices do not count.
-        self.peak_flops = (measure_matmul_flops(DTYPES[cfg.precision.dtype], self.env.device) * self.env.world_size
-                           if self.env.is_main else None)
+        self.wrapper = wrapping(self.dims, cfg.parallel.wrap)
+        # Peak FLOP/s for MFU: the datasheet's when given, else measured before the memory meter starts
+        # so its matrices do not count.
+        if cfg.train.peak_tflops:
+            self.peak_flops, self.peak_source = cfg.train.peak_tflops * 1e12 * self.env.world_size, "train.peak_tflops"
+        else:
+            self.peak_flops = (measure_matmul_flops(DTYPES[cfg.precision.dtype], device) * self.env.world_size
+                               if self.env.is_main else None)
+            self.peak_source = "measured matmul"
         preload_parallel()
         if cfg.train.release_memory and self.env.device.type == "cpu":
             return_freed_memory_to_os()
@@ -169,22 +190,25 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + self.dims.dp_rank(self.env.rank))
         with torch.device("meta"):
             model = Transformer(self.model_cfg)
-        self.mesh = build_mesh(self.dims, self.env.device.type)
+        self.mesh = build_mesh(self.dims, self.env.device.type, self.wrapper)
 
-        def materialize(m):
+        def materialize(m, device):
             values = pretrained if pretrained is not None else m.initial_state(cfg.train.seed)
             assign_full_state(m, values)
-            m.reset_rope(cfg.data.seq_len)
+            m.reset_rope(cfg.data.seq_len, device=device)
 
         self.model = parallelize(
             model, self.dims, self.mesh, self.env.device, materialize, ac=cfg.train.activation_checkpoint,
             compile=cfg.train.compile, dtype=cfg.precision.dtype, reduce_dtype=cfg.precision.reduce_dtype,
-            reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload)
+            reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload,
+            wrap=cfg.parallel.wrap)
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
-        self.scaler = LossScaler(cfg.precision.dtype == "fp16", cfg.precision.loss_scale,
-                                 cfg.precision.loss_scale_growth_interval)
+        self.scaler = make_grad_scaler(cfg.precision.dtype == "fp16", device, self.env.distributed,
+                                       cfg.precision.loss_scale, cfg.precision.loss_scale_growth_interval)
         self.loader = PackedLoader(self.tokens, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.grad_accum,
-                                   dp_rank=self.dims.dp_rank(self.env.rank), dp_size=self.dims.dp, seed=cfg.train.seed)
+                                   dp_rank=self.dims.dp_rank(self.env.rank), dp_size=self.dims.dp, seed=cfg.train.seed,
+                                   pin_memory=device.type == "cuda")
+        self.timer = StepTimer(device)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
         self.step = 0
         self.skipped = 0
@@ -238,7 +262,7 @@ class Trainer:
         self.step, self.skipped = int(trainer_state["step"]), int(trainer_state.get("skipped", 0))
         self.rollbacks = int(trainer_state.get("rollbacks", 0))
         self.scheduler.load_state_dict(trainer_state["scheduler"])
-        self.scaler.load_state_dict(trainer_state["scaler"])
+        load_scaler_state(self.scaler, trainer_state["scaler"], self.cfg.precision.loss_scale_growth_interval)
         if "spikes" in trainer_state:
             self.spikes.load_state_dict(trainer_state["spikes"])
         self.loader.load_state_dict(rank_state["loader"])
@@ -295,68 +319,72 @@ class Trainer:
             self.scheduler.step()
 
     def train_step(self) -> dict:
-        cfg = self.cfg
+        cfg, device = self.cfg, self.env.device
         accum = cfg.train.grad_accum
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        t0 = time.perf_counter()
+        self.timer.start()
         step = self.step + 1
         if self.injector.due("hang", step):
             self.injector.hang()
         inject_nan, inject_spike = self.injector.due("nan", step), self.injector.due("spike", step)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
-            inputs, targets = self.loader.next_batch()
-            inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            rows = self.loader.next_rows().to(device, non_blocking=True)  # pinned on CUDA: an async copy
+            inputs, targets = rows[:, :-1], rows[:, 1:]
             with grad_sync_context(self.model, micro == accum - 1):
-                with autocast_context(self.env.device, cfg.precision.dtype, self.dims.uses_fsdp):
+                with autocast_context(device, cfg.precision.dtype, self.wrapper == "fsdp"):
                     loss = self.model(inputs, targets=targets)
                 if inject_nan:
                     loss = loss * float("nan")
                 if inject_spike:
                     loss = loss * 20.0  # its gradients are 20x too: the update must not be applied
-                (loss * (self.scaler.scale / accum)).backward()
-            loss_sum += loss.detach().double().cpu()
+                self.scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = global_grad_norm(params) / self.scaler.scale
-        mean_loss = float(D.all_reduce_mean(loss_sum / accum))
-        bad = not (math.isfinite(grad_norm) and math.isfinite(mean_loss))
-        bad = D.all_reduce_max(float(bad), self.env.device) > 0  # any rank non-finite -> all skip
-        skip = bad and (cfg.fault.skip_nonfinite or self.scaler.enabled)
+        if self.scaler.is_enabled():
+            with quiet_unscale():
+                self.scaler.unscale_(self.optimizer)  # the norm, clipping and AdamW see true gradients
+        sq_norm = grad_sq_norm(params, device)
+        nonfinite = (~torch.isfinite(loss_sum) | ~torch.isfinite(sq_norm)).double()
+        summed = D.all_reduce_sum(torch.stack([loss_sum / accum, nonfinite]))  # any rank non-finite -> all skip
+        # The step's one read-back from the device: everything the decisions below need.
+        loss_total, bad_ranks, sq, scale = torch.stack(
+            [summed[0], summed[1], sq_norm, scale_tensor(self.scaler, device).double()]).tolist()
+        mean_loss, grad_norm = loss_total / self.env.world_size, math.sqrt(sq)
+        bad = bad_ranks > 0 or not (math.isfinite(grad_norm) and math.isfinite(mean_loss))
+        skip = bad and (cfg.fault.skip_nonfinite or self.scaler.is_enabled())
         if bad and not skip:
             raise HardyError(f"non-finite loss or gradient at step {self.step + 1} (fault.skip_nonfinite = false)")
         lr = self.scheduler.get_last_lr()[0]
         spike = (not bad and cfg.fault.spike_detection and self.spikes.is_spike(mean_loss))
         if spike:
-            dt = time.perf_counter() - t0
+            self.scaler.update()  # finite gradients: counts as a good step for the scale (rollback restores it)
+            dt = self.timer.stop()
             self.step += 1
             record = {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
-                      "step_time_s": dt, "skipped": True, "loss_scale": self.scaler.scale, "spike": True}
+                      "step_time_s": dt, "skipped": True, "loss_scale": scale, "spike": True}
             return record
         ckpt_wait = 0.0
         if skip:
             self.skipped += 1
         else:
             self.spikes.observe(mean_loss)
-            factor = 1.0 / self.scaler.scale
             if cfg.optim.grad_clip and grad_norm > cfg.optim.grad_clip:
-                factor *= cfg.optim.grad_clip / (grad_norm + 1e-6)
-            if factor != 1.0:
-                scale_grads(params, factor)
+                scale_grads(params, cfg.optim.grad_clip / (grad_norm + 1e-6))
             t_wait = time.perf_counter()
             self.ckpt.staged()  # an asynchronous save must finish copying before the weights change
             ckpt_wait = time.perf_counter() - t_wait
             self.optimizer.step()
-        self.scaler.update(bad)
+        self.scaler.update()  # the overflow flag unscale_ found: halve the scale, or count a good step
         self.optimizer.zero_grad(set_to_none=True)
         self.advance_schedule()
         self.step += 1
-        dt = time.perf_counter() - t0
+        dt = self.timer.stop()
         if self.injector.due("kill", self.step) or self.injector.random_kill_due(self.step):
             self.injector.kill()
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
-                "step_time_s": dt, "skipped": bool(skip), "loss_scale": self.scaler.scale,
-                "ckpt_wait_s": ckpt_wait}
+                "step_time_s": dt, "skipped": bool(skip), "loss_scale": scale, "ckpt_wait_s": ckpt_wait}
 
     def checkpoint_due(self, since_last: float, last_stall: float | None) -> bool:
         """Every N steps, every T seconds, or "auto": the Young/Daly optimum for this job's MTBF."""
@@ -380,11 +408,14 @@ class Trainer:
                                              cfg.log.jsonl, cfg.log.tensorboard, cfg.log.progress)
         peak = self.peak_flops
         counts = count_parameters(self.model_cfg)
+        on = ", ".join([str(self.env.device)] + self.device_notes)
         logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {self.dims.describe()}, "
-                     f"{cfg.precision.dtype}, {self.tokens_per_step:,} tokens/step, run dir {self.run_dir}"
+                     f"{cfg.precision.dtype} on {on}, {self.tokens_per_step:,} tokens/step, run dir {self.run_dir}"
                      + (f", resumed from {resumed.name}" if resumed else ""))
-        logger.event("start", step=self.step, config=self.resolved, peak_flops=peak,
-                     flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None)
+        if peak:
+            logger.print(f"MFU against {peak / 1e12:,.1f} TFLOP/s in all ({self.peak_source})")
+        logger.event("start", step=self.step, config=self.resolved, peak_flops=peak, peak_source=self.peak_source,
+                     device=on, flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None)
         watchdog = self.watchdog
         t_start = time.perf_counter()
         last_save, last_stall = time.perf_counter(), None

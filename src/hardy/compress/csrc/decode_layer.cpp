@@ -159,10 +159,15 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor>
   const size_t L = norms.size() / 2;
   TORCH_CHECK(norms.size() == 2 * L && w.size() == 21 * L && dims.size() == 14 * L,
               "per block: two norms and seven quantized linears");
+  check_on_cpu(norms, "a block's norm");
+  check_on_cpu(w, "a block's quantized matrix");
 }
 
 at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                                  std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const {
+  check_on_cpu({x, positions, cos, sin}, "the decode step's input");
+  check_on_cpu(kcs, "a K cache");
+  check_on_cpu(vcs, "a V cache");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [B, D]");
   const size_t L = norms.size() / 2;
   TORCH_CHECK(kcs.size() == L && vcs.size() == L, "a K and a V cache per block");

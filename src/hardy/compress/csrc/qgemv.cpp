@@ -329,9 +329,17 @@ at::Tensor shaped(const at::Tensor& y, const at::Tensor& x_in) {
 // Several matrices applied to the same x [T, K]: x is quantized once and all rows share one
 // parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8), dims
 // (group, rows) per matrix.
+void check_on_cpu(const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const auto& t : tensors)
+    TORCH_CHECK(!t.defined() || t.device().is_cpu(), "hardy's quantized kernels run on the CPU, but ", what,
+                " has a tensor on ", t.device().str(), ": keep quantized models on the CPU (--device cpu)");
+}
+
 std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Tensor>& w,
                                    const std::vector<int64_t>& dims) {
   TORCH_CHECK(w.size() == 3 * (dims.size() / 2) && dims.size() % 2 == 0, "three tensors and two sizes per matrix");
+  check_on_cpu({x}, "the input");
+  check_on_cpu(w, "a quantized matrix");
   const QuantizedInput in(flat_rows(x));
   std::vector<at::Tensor> outs;
   std::vector<Job> jobs;
@@ -362,6 +370,7 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
 // is the LM head's, so int4 arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
 at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
                         at::Tensor rows) {
+  check_on_cpu({qweight, scales, mins, rows}, "an embedding lookup");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && qweight.is_contiguous() &&
               scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int64 row ids, contiguous tables");
   const bool int4 = qweight.scalar_type() == at::kByte;

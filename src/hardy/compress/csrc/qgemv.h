@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+// These kernels read host memory through data pointers: a tensor elsewhere (CUDA, meta) is refused
+// with one message instead of being read as if it were host memory.
+void check_on_cpu(const std::vector<at::Tensor>& tensors, const char* what);
+
 at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group, int64_t rows);
 at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group, at::Tensor rows);
 // The vector ISA this build's products use (the build flags decide: hardy.compress.kernels._isa).
