@@ -103,7 +103,7 @@ def main() -> int:
         data = synthetic_dataset(tmp / "data", cfg.vocab_size, max(1 << 20, (args.steps + 1) * (args.seq + 1) * 2))
         model_json = tmp / "model.json"
         model_json.write_text(json.dumps({"family": "llama", **cfg.to_dict()}))
-        log = open(out.with_suffix(".log"), "w")
+        log = open(out.with_name(out.stem + ".runs.log"), "w")  # every hardy train output, in full
         for i, spec in enumerate(args.configs.split(";")):
             opts = dict(kv.split("=") for kv in spec.split(","))
             name = f"ac {opts['ac']}, compile {'on' if opts['compile'] == 'true' else 'off'}"

@@ -254,6 +254,18 @@ def test_asking_for_cuda_without_one_is_a_one_line_error(args, tmp_path, monkeyp
     assert ("CUDA" in lines[0] or "--tp" in lines[0]), lines[0]
 
 
+def test_launch_refuses_more_processes_than_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    (tmp_path / "c.toml").write_text("")
+    proc = hardy_main("launch", "--nproc", "2", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and "--nproc 2 on a machine with 1 visible GPU" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()  # refused before any process started
+    proc = hardy_main("launch", "--nproc", "2", str(tmp_path / "c.toml"), "--set", "parallel.wrap=ddp",
+                      "--set", "parallel.dp_shard=2", "--set", "parallel.backend=gloo")
+    assert proc.returncode == 2 and "cannot shard" in proc.stderr, proc.stderr
+
+
 def test_quantized_kernels_refuse_tensors_off_the_cpu():
     """The C++ kernels read host memory through data pointers: any other device is refused by name,
     and a quantized layer moved off the CPU drops them for PyTorch's path."""

@@ -39,17 +39,22 @@ def run_train(args) -> int:
 
 
 def run_launch(args) -> int:
+    import torch
     from torch.distributed.run import get_args_parser, run
 
     from hardy.errors import HardyError
+    from hardy.parallel.dims import ParallelDims
+    from hardy.parallel.parallelize import wrapping
     from hardy.train.config import load_config
 
     if args.nproc < 1:
         raise HardyError(f"--nproc must be >= 1 (got {args.nproc})")
-    from hardy.parallel.dims import ParallelDims
-
     cfg = load_config(args.config, args.set)  # validate before starting any process
-    ParallelDims.build(args.nproc, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
+    dims = ParallelDims.build(args.nproc, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
+    wrapping(dims, cfg.parallel.wrap)
+    if torch.cuda.is_available() and cfg.parallel.backend != "gloo" and args.nproc > torch.cuda.device_count():
+        raise HardyError(f"--nproc {args.nproc} on a machine with {torch.cuda.device_count()} visible GPU(s): "
+                         "start one process per GPU (or set parallel.backend = gloo to train on the CPU)")
     run_dir = args.run_dir or str(default_run_dir(args.config))
     train_args = ["train", args.config, "--run-dir", run_dir]
     for item in args.set:

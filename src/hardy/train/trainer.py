@@ -409,7 +409,8 @@ class Trainer:
         peak = self.peak_flops
         counts = count_parameters(self.model_cfg)
         on = ", ".join([str(self.env.device)] + self.device_notes)
-        logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {self.dims.describe()}, "
+        layout = self.dims.describe() + (f" through {self.wrapper.upper()}" if cfg.parallel.wrap != "auto" else "")
+        logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {layout}, "
                      f"{cfg.precision.dtype} on {on}, {self.tokens_per_step:,} tokens/step, run dir {self.run_dir}"
                      + (f", resumed from {resumed.name}" if resumed else ""))
         if peak:
