@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, hardy_main
 from hardy.fault.policy import daly_interval, expected_goodput
 from hardy.model.config import ModelConfig, count_parameters, get_preset
 from hardy.plan.arch import arch_from_llama, load_arch
@@ -131,14 +131,18 @@ def test_invalid_plans_give_one_line_and_exit_2(args, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
 
 
-def test_a_plan_that_does_not_fit_says_by_how_much_and_what_helps():
-    proc = hardy("plan", "train", "--model", "llama3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--seq", "4096",
-                 "--global-batch-tokens", str(8 * 4096))
-    assert proc.returncode == 2
-    line = proc.stderr.strip().splitlines()[-1]
+def test_a_plan_that_does_not_fit_is_an_answer_saying_by_how_much_and_what_helps():
+    args = ["plan", "train", "--model", "llama3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--seq", "4096",
+            "--global-batch-tokens", str(8 * 4096)]
+    proc = hardy_main(*args)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
     assert "does not fit" in line and "GB short" in line and "--zero 3" in line and "--ac full" in line
-    proc = hardy("plan", "train", "--model", "llama3.1-405b", "--hardware", "l40s", "--devices", "1", "--seq", "2048",
-                 "--global-batch-tokens", "2048", "--search")
+    proc = hardy_main(*args, "--json")  # scripts searching over plans get it as data
+    plan = json.loads(proc.stdout)
+    assert proc.returncode == 0 and plan["fits"] is False and "GB short" in plan["advice"]
+    proc = hardy_main("plan", "train", "--model", "llama3.1-405b", "--hardware", "l40s", "--devices", "1", "--seq",
+                      "2048", "--global-batch-tokens", "2048", "--search")
     assert proc.returncode == 2 and "fits in no configuration" in proc.stderr
 
 
@@ -166,3 +170,73 @@ def test_validate_command_passes():
     proc = hardy("plan", "validate", "--markdown")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("| ok |") >= 30
+
+
+@pytest.mark.parametrize("model", ["llama3.1-8b", "gpt-22b"])
+def test_hfu_counts_recompute_and_equals_mfu_without_it(model):
+    arch = load_arch(model)
+    hw = get_hardware("a100-80g")
+    seen = {}
+    for ac in ("none", "selective", "full", "every:2"):
+        plan = plan_train(TrainJob(arch=arch, hw=hw, devices=8, seq=2048, global_batch_tokens=8 * 2048 * 2, zero=3,
+                                   ac=ac, micro_batch=2))
+        assert plan.hfu >= plan.mfu
+        seen[ac] = plan.hfu / plan.mfu
+    assert seen["none"] == pytest.approx(1.0)
+    # full recompute adds a forward of every layer: (2·matmul weights + 4·a·d_h·s) / (6·matmul + 12·L·a·d_h·s) per layer
+    per_token = arch.flops_per_token(2048)
+    extra = arch.n_layers * (2 * arch.layer_matmul_params() + 4 * arch.n_heads * arch.head_dim * 2048)
+    assert seen["full"] == pytest.approx(1 + extra / per_token)
+    assert seen["every:2"] == pytest.approx(1 + extra / per_token / 2)
+    if arch.family == "llama":  # op-level selective keeps every matmul and attention output
+        assert seen["selective"] == pytest.approx(1.0)
+    else:  # GPT-style selective recomputes the attention core
+        assert 1.0 < seen["selective"] < seen["every:2"]
+
+
+def test_llama_selective_recompute_memory_on_a_hand_counted_case():
+    # dim 8, 2 heads of 4, 1 KV head, MLP 16, 4 tokens, fp32: per token the block input (8), the matmul
+    # outputs q 8, k 4, v 4, attention projection 8, gate 16, up 16, down 8, and the attention output 8
+    # with a log-sum-exp per head (2): (8 + 8 + 4 + 4 + 8 + 16 + 16 + 8 + 8 + 2) x 4 bytes = 328 bytes
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=16, max_seq_len=16)
+    setup = ActivationSetup(seq=4, micro_batch=1, precision="fp32", cpu=True)
+    assert layer_activation_bytes(arch_from_llama(cfg), setup, "selective") == 4 * 328
+    none = layer_activation_bytes(arch_from_llama(cfg), setup, "none")
+    assert layer_activation_bytes(arch_from_llama(cfg), setup, "full") < 4 * 328 < none
+
+
+def policy_saved_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
+    """What hardy's op-level selective checkpointing keeps of one block: the block input plus the outputs
+    of the operators its policy saves (hardy.parallel.parallelize.selective_save_ops), by storage."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from hardy.model.llama import build_model
+    from hardy.parallel.parallelize import selective_save_ops
+
+    save, storages, kept = selective_save_ops(), {}, []
+
+    class Saved(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in save:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        kept.append(t)  # held, as the checkpoint holds them: freed memory is not reused
+                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return out
+
+    model = build_model(cfg)
+    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    with Saved():
+        model.layers[0](x, model.rope_cos[:seq], model.rope_sin[:seq])
+    return sum(storages.values()) + x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("shape", [dict(dim=96, n_heads=6, n_kv_heads=2, ffn_dim=200),
+                                   dict(dim=128, n_heads=4, n_kv_heads=4, ffn_dim=344)])
+def test_llama_selective_formula_matches_the_trainers_policy(shape):
+    cfg = ModelConfig(vocab_size=300, n_layers=1, max_seq_len=128, **shape)
+    setup = ActivationSetup(seq=40, micro_batch=3, precision="fp32", cpu=True)
+    predicted = layer_activation_bytes(arch_from_llama(cfg), setup, "selective")
+    assert predicted == pytest.approx(policy_saved_bytes(cfg, batch=3, seq=40), rel=0.02)

@@ -107,15 +107,17 @@ def run_train(args) -> int:
                          [("best configuration", print_rows(train_plan_rows(best)))], figs)
         return 0
     plan = plan_train(job)
+    # A plan that does not fit is an answer, not an error (scripts search over them): it says so, and why.
+    advice = None if plan.fits else fit_advice(plan)
     if args.json:
-        print(json.dumps(plan.to_dict()))
+        print(json.dumps({**plan.to_dict(), "advice": advice}))
     else:
         print(print_rows(train_plan_rows(plan)))
+        if advice:
+            print(advice)
     if args.report:
         write_report(Path(args.report), f"hardy plan train: {arch.name} on {args.devices} x {hw.name}",
                      [("plan", print_rows(train_plan_rows(plan)))], [memory_figure([plan], [arch.name])])
-    if not plan.fits:
-        raise HardyError(fit_advice(plan))
     return 0
 
 

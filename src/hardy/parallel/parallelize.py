@@ -104,19 +104,58 @@ def apply_tp(model: nn.Module, mesh) -> None:
             parallelize_module(block, mesh, plan)
 
 
+def selective_save_ops() -> set:
+    """The operators whose outputs op-level selective checkpointing keeps: every matmul and attention
+    (the FLOPs), and collectives (a recomputed one would talk to the other ranks a second time);
+    norms, RoPE, SiLU, products and residual adds are recomputed (cheap, memory-bound)."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
+        if c10d is not None and hasattr(c10d, name):
+            ops.add(getattr(c10d, name).default)
+    return ops
+
+
+def selective_policy(save: set, random_ops: set):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, func, *args, **kwargs):
+        # CUDA's dropout is one op (native_dropout): its mask is kept. On the CPU dropout is bernoulli_,
+        # recomputed from the RNG state the checkpoint restores (preserve_rng_state): the same mask.
+        return CheckpointPolicy.MUST_SAVE if func in save or func in random_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
-    """none | full | every:K (checkpoint every K-th block). Returns how many blocks were wrapped."""
+    """none | full | every:K (checkpoint every K-th block) | selective (every block, op level: keep
+    matmul and attention outputs, recompute the rest). Returns how many blocks were wrapped."""
     if mode == "none":
         return 0
+    from functools import partial
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    every = 1 if mode == "full" else int(mode.split(":", 1)[1])
+    every = 1 if mode in ("full", "selective") else int(mode.split(":", 1)[1])
     # With dropout the recomputed forward must draw the same masks as the first one.
     preserve_rng = model.cfg.dropout > 0
+    extra = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        aten = torch.ops.aten
+        random_ops = {aten.native_dropout.default}
+        extra["context_fn"] = partial(create_selective_checkpoint_contexts,
+                                      selective_policy(selective_save_ops(), random_ops))
     wrapped = 0
     for i, block in enumerate(model.layers):
         if i % every == 0:
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng, **extra)
             wrapped += 1
     return wrapped
 

@@ -94,6 +94,22 @@ class Arch:
                                   + 2 * self.dim * self.ffn_dim) + self.vocab_size * self.dim
         return 6 * matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matrix multiplies (projections and MLP; no norms, no biases)."""
+        mlp = (3 if self.family == "llama" else 2) * self.dim * self.ffn_dim
+        return 2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim + mlp
+
+    def recompute_flops_per_token(self, seq_len: int, recompute: str, fraction: float) -> float:
+        """Model FLOPs per token that activation recomputation adds, in the same accounting as
+        `flops_per_token` (a forward pass is a third of it): full recompute runs a layer's forward
+        again (2 × its matmul weights + the attention term 4·a·d_h·s); GPT-style selective recompute
+        (Korthikanti et al.) the attention core only; hardy's op-level selective keeps every matmul and
+        attention output, so it recomputes no FLOPs that count (norms and activations are not counted)."""
+        attention = 4 * self.n_heads * self.head_dim * seq_len
+        per_layer = {"none": 0.0, "full": 2 * self.layer_matmul_params() + attention,
+                     "selective": attention if self.family == "gpt" else 0.0}[recompute]
+        return fraction * self.n_layers * per_layer
+
     def model_config(self) -> ModelConfig:
         if self.family != "llama":
             raise HardyError(f"{self.name} is a GPT-style model, not a hardy Llama")

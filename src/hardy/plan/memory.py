@@ -10,7 +10,7 @@ Activations per layer and micro-batch, from what autograd actually keeps:
 - GPT-style (Korthikanti et al. 2022): 16-bit s·b·h·(34 + 5·a·s/h); built here from its parts so
   tensor/sequence parallelism, recompute, dropout and the activation dtype are explicit.
 - hardy's Llama (SwiGLU, GQA, flash-attention SDPA that keeps no s×s matrix), counted from the
-  tensors autograd saves in `model/llama.py` (checked by `tests/test_plan_memory.py`):
+  tensors autograd saves in `model/llama.py` (checked by `tests/test_plan_train.py`):
   per token, in the activation dtype, 3h per RMSNorm (input, normalized, scaled output) ×2,
   q and the attention output (a·d_h each), k and v (n_kv·d_h each), 4f for the SwiGLU MLP
   (gate, silu(gate), up, their product); plus fp32 per token: two RMSNorm 1/rms and a
@@ -89,11 +89,16 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
         if recompute == "selective":
             scores = 0.0
         return replicated / rep + (split + scores) / t
-    if recompute == "selective":
-        raise HardyError("selective recompute applies to GPT-style attention that keeps s×s scores; hardy's "
-                         "Llama attention keeps none (flash SDPA): use --ac none, full or every:K")
-    # two RMSNorms (input, normalized, output) + 1/rms; residual dropout keeps two masks
+    # residual dropout keeps two masks (CUDA: 1-byte bool; CPU: the activation dtype)
     masks = 2 * arch.dim * (e if a.cpu else 1) if arch.dropout else 0
+    if recompute == "selective":
+        # op level (hardy's policy, PyTorch's selective checkpointing): every matmul output (q, k, v,
+        # the attention projection, gate, up, down) and the attention output with its log-sum-exp are
+        # kept, with the block input; norms, RoPE, SiLU·up and residual adds are recomputed in backward.
+        replicated = tokens * (3 * arch.dim * e + masks)
+        split = tokens * ((2 * arch.q_dim + 2 * arch.kv_dim + 2 * arch.ffn_dim) * e + 4 * arch.n_heads)
+        return replicated / rep + split / t
+    # two RMSNorms (input, normalized, output) + 1/rms
     replicated = tokens * (6 * arch.dim * e + 2 * 4 + masks)
     split = tokens * ((2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.ffn_dim) * e + 4 * arch.n_heads)
     return replicated / rep + split / t

@@ -144,16 +144,21 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     (GPT's unfused core is GEMMs)."""
     dtype = compute_dtype(hw, s.precision)
     fwd, core = layer_gemm_flops(arch, s)
+    # GPT-style selective recompute (Korthikanti et al.) recomputes the attention core; hardy's Llama
+    # op-level selective keeps matmul and attention outputs and recomputes only elementwise operators.
+    selective_core = core if arch.family == "gpt" else 0.0
     extra_proj = {"none": 0.0, "full": fwd - core, "selective": 0.0}[s.recompute] * s.recompute_fraction
-    extra_core = {"none": 0.0, "full": core, "selective": core}[s.recompute] * s.recompute_fraction
+    extra_core = {"none": 0.0, "full": core, "selective": selective_core}[s.recompute] * s.recompute_fraction
     proj, attn = 3 * (fwd - core) + extra_proj, 3 * core + extra_core
     gemm_rate = hw.gemm_rate(dtype, arch.dim)
     attn_rate = hw.attention_rate(dtype, arch.head_dim) if arch.family == "llama" else gemm_rate
     elem = layer_elementwise_bytes(arch, s)
     if s.recompute == "full":  # the forward (a third of the traffic) runs twice
         elem *= 1 + s.recompute_fraction / 3
-    elif s.recompute == "selective":  # softmax and dropout over the scores run twice
+    elif s.recompute == "selective" and arch.family == "gpt":  # softmax and dropout over the scores run twice
         elem += s.recompute_fraction / 3 * layer_elementwise_bytes(arch, s, scores_only=True)
+    elif s.recompute == "selective":  # the forward's norms, RoPE and activations run twice
+        elem *= 1 + s.recompute_fraction / 3
     return {"flops": proj + attn, "gemm": proj / gemm_rate + attn / attn_rate,
             "elementwise": elem / hw.elementwise_rate(), "tp": tp_comm_per_layer(arch, s, hw.link(s.tp))}
 

@@ -89,8 +89,12 @@ class TrainPlan:
 
     @property
     def hfu(self) -> float:
+        """Hardware FLOPs utilization: model FLOPs plus what recomputation adds, in the same accounting
+        (so HFU = MFU without recompute, and HFU >= MFU always)."""
         hw, dtype = self.job.hw, compute_dtype(self.job.hw, self.job.precision)
-        return self.step.hardware_flops / (self.step_s * hw.peak(dtype))
+        recompute, fraction = parse_ac(self.job.ac)
+        extra = self.job.arch.recompute_flops_per_token(self.job.seq, recompute, fraction) * self.job.global_batch_tokens
+        return (self.model_flops_per_step + extra) / (self.step_s * hw.peak(dtype) * self.job.devices)
 
     @property
     def train_time_s(self) -> float:
@@ -304,7 +308,7 @@ def search(base: TrainJob, rank_by: str = "time", limit: int = 10) -> tuple[list
     arch, devices = base.arch, base.devices
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     fitting, tried = [], 0
-    acs = ["none", "full"] + (["selective"] if arch.family == "gpt" else [])
+    acs = ["none", "selective", "full"]
     for tp in [d for d in divisors if d <= base.hw.devices_per_node]:
         for pp in [d for d in divisors if devices % (tp * d) == 0 and d <= arch.n_layers]:
             for zero in (0, 1, 2, 3):

@@ -66,7 +66,7 @@ class TrainSection:
     seed: int = 1234
     micro_batch: int = 8
     grad_accum: int = 1
-    activation_checkpoint: str = "none"  # none | full | every:K
+    activation_checkpoint: str = "none"  # none | full | every:K | selective (op level: keep matmul outputs)
     compile: bool = False
     # Repeatable kernels, so a resumed run equals an uninterrupted one bit for bit (on the same hardware,
     # world size and software). On CUDA: a fixed cuBLAS workspace and cuDNN's deterministic algorithms,
@@ -86,8 +86,8 @@ class TrainSection:
         _check(self.threads >= 0, f"train.threads must be >= 0 (got {self.threads})")
         _check(self.peak_tflops >= 0, f"train.peak_tflops must be >= 0 (got {self.peak_tflops})")
         ac = self.activation_checkpoint
-        ok = ac in ("none", "full") or (ac.startswith("every:") and ac[6:].isdigit() and int(ac[6:]) >= 1)
-        _check(ok, f"train.activation_checkpoint must be none, full or every:K (got {ac!r})")
+        ok = ac in ("none", "full", "selective") or (ac.startswith("every:") and ac[6:].isdigit() and int(ac[6:]) >= 1)
+        _check(ok, f"train.activation_checkpoint must be none, full, selective or every:K (got {ac!r})")
 
 
 @dataclass
