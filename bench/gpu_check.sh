@@ -5,6 +5,7 @@
 #   3. training throughput of 8 of Llama 3.1 8B's layers, bf16, FSDP2 at world size 1, compile on/off,
 #      activation checkpointing off/on, beside `hardy plan train` (bench/gpu_train_throughput.py)
 #   4. SmolLM2-135M decode tokens/s on CUDA, eager and CUDA-graph compiled, greedy tokens vs the CPU's
+#   and between them `hardy probe` of the GPU, so the planner is also checked with the rates measured there
 # Everything lands in $OUT (gpu_check.json: one summary; the logs and per-part JSON beside it). Parts are
 # run in order of importance; one that the budget no longer allows is recorded as not run, with why.
 #
@@ -85,6 +86,13 @@ TESTS=(tests/test_cuda.py)
 [ "$HAVE_SMOLLM2" = 1 ] || TESTS+=(-k "not smollm2 and not generate_and_perplexity and not serving_engine")
 run_part cuda_tier 200 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/cuda_tier.xml" "${TESTS[@]}"
 
+# ---------------------------------------------------------------- the device measured for the planner
+# matmul, a real layer's GEMMs and attention by size, elementwise and copy bandwidth, launch cost:
+# `hardy plan train --hardware probe:FILE` uses them in place of the catalogue's datasheet figures
+run_part probe 90 "$PY" -m hardy probe --quick --out "$OUT/probe.json" --dir /tmp
+PROBE=()
+[ -f "$OUT/probe.json" ] && PROBE=(--probe "$OUT/probe.json")
+
 # ---------------------------------------------------------------- 3. training throughput, 4. decode
 if [ "$DEVICE" = cuda ]; then
   TRAIN=(--preset llama3.1-8b --layers 8 --seq 8192 --steps 7 --warmup 3 --device cuda --precision bf16
@@ -96,7 +104,7 @@ else  # the rehearsal: the same scripts and parsing, at a size a CPU runs in sec
   DECODE=(--model smollm2-135m --device cpu --new-tokens 8 --check-tokens 8 --repeats 1)
 fi
 train() {  # part name, configs
-  run_part "$1" 240 "$PY" bench/gpu_train_throughput.py --out "$OUT/$1.json" "${TRAIN[@]}" --configs "$2"
+  run_part "$1" 240 "$PY" bench/gpu_train_throughput.py --out "$OUT/$1.json" "${TRAIN[@]}" "${PROBE[@]}" --configs "$2"
 }
 train train_compiled "ac=none,compile=true"
 if [ "$HAVE_SMOLLM2" = 1 ]; then
@@ -113,7 +121,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 summary = {"status": dict(l.split(": ", 1) for l in (out / "status.txt").read_text().splitlines() if ": " in l)}
-for name in ("env", "train_compiled", "train_eager", "train_ac", "decode"):
+for name in ("env", "probe", "train_compiled", "train_eager", "train_ac", "decode"):
     f = out / f"{name}.json"
     if f.is_file():
         summary[name] = json.loads(f.read_text())

@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="datasheet dense peak (H100/H200 bf16: 989)")
     ap.add_argument("--hardware", default="h200", help="the planner's catalogue entry for this device")
+    ap.add_argument("--probe", default=None, help="a `hardy probe` profile of this device: also plan with it")
     ap.add_argument("--configs", default="ac=none,compile=false;ac=full,compile=false;ac=none,compile=true;"
                                          "ac=full,compile=true")
     ap.add_argument("--timeout", type=float, default=600.0, help="per configuration, seconds")
@@ -125,6 +126,10 @@ def main() -> int:
                            losses=[r["loss"] for r in records if r.get("event") == "step"])
             predicted = plan(model_json, args.hardware, args.seq, opts["ac"], args.precision)
             run["planner"] = predicted
+            if args.probe:  # the planner on this device's measured rates, beside its datasheet figures
+                run["planner_probe"] = plan(model_json, f"probe:{args.probe}", args.seq, opts["ac"], args.precision)
+                if steps and run["planner_probe"].get("tokens_per_s"):
+                    run["measured_over_probe_predicted"] = run["tokens_per_s"] / run["planner_probe"]["tokens_per_s"]
             if steps and predicted.get("tokens_per_s"):
                 run["measured_over_predicted"] = run["tokens_per_s"] / predicted["tokens_per_s"]
             result["runs"].append(run)

@@ -83,8 +83,10 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     assert hw.flops_efficiency == profile["training_gemm"]["efficiency"] and hw.bandwidth_efficiency == 1.0
     assert 0 < hw.flops_efficiency <= 1 and hw.elementwise_rate() == profile["elementwise"]["bandwidth"]
     assert hw.decode_rate() == profile["gemv"]["bandwidth"] > 0
-    gemm = {int(w): e for w, e in profile["training_gemm"]["efficiency_by_width"].items()}
-    assert len(gemm) >= 2 and all(0 < e <= 1 for e in gemm.values())
+    assert len(profile["training_gemm"]["efficiency_by_width"]) >= 2
+    # the planner's GEMM rates are a real layer's (all its matmuls, forward + backward), by width
+    gemm = {int(w): e for w, e in profile["layer_gemm"]["efficiency_by_width"].items()}
+    assert sorted(gemm) == [64, 256, 576, 1536] and all(0 < e <= 1 for e in gemm.values())
     assert hw.gemm_rate("fp32", min(gemm)) == pytest.approx(hw.peak("fp32") * gemm[min(gemm)])
     assert hw.gemm_rate("fp32", 1 << 20) == pytest.approx(hw.peak("fp32") * gemm[max(gemm)])
     attn = {int(h): e for h, e in profile["attention"]["efficiency_by_head_dim"].items()}
@@ -137,3 +139,15 @@ def test_bad_dir_is_one_line_error(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("hardy: error: --dir")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_gemm_timer_counts_the_flops_of_every_matmul_a_layer_runs():
+    from hardy.ops.kernel_probe import GemmTimer
+
+    x, w, b = torch.randn(24, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True), torch.randn(40)
+    timer = GemmTimer(torch.device("cpu"))
+    with timer:
+        (torch.nn.functional.linear(x, w, b).relu() @ torch.randn(40, 8)).sum().backward()
+    # forward 24x16x40 (addmm) + 24x40x8; backward: dx, dW of both (the second's dW only)
+    expected = 2 * (24 * 16 * 40 + 24 * 40 * 8) + 2 * (24 * 40 * 16 + 40 * 24 * 16) + 2 * (24 * 8 * 40)
+    assert timer.flops == expected and timer.seconds > 0

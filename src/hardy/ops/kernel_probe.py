@@ -62,6 +62,71 @@ def measure_training_gemms(device: torch.device, best_flops: float, quick: bool)
             "efficiency_by_width": {str(r["shape"][1]): r["efficiency"] for r in rows}}
 
 
+class GemmTimer(TorchDispatchMode):
+    """Times every matrix multiply that runs under it (a synchronize around each) and counts its
+    FLOPs from the operand shapes: what a real layer's GEMMs achieve — all of its shapes, the
+    transposed operands of the backward pass — rather than one benchmark shape's."""
+
+    OPS = {"mm", "addmm", "bmm"}
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.flops, self.seconds = device, 0.0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name not in self.OPS:
+            return func(*args, **kwargs)
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        sync(self.device)
+        self.seconds += time.perf_counter() - t0
+        a = args[1] if name == "addmm" else args[0]
+        k = a.shape[-1]
+        self.flops += 2 * out.numel() * k
+        return out
+
+
+def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
+                        dtype: torch.dtype = torch.float32) -> dict:
+    """FLOP/s of the GEMMs of a real hardy Llama block, forward + backward, by model width (q/k/v/o
+    projections, SwiGLU, their gradients), at the token counts training uses, in `dtype` (fp32 on a
+    CPU, bf16 on a GPU: what each trains in), against `best_flops` of that dtype; the median of a few
+    runs (a shared machine's bursts would flatter a best-of). The planner applies these, by width,
+    to a model's layers and LM head."""
+    from hardy.model.config import ModelConfig
+    from hardy.model.llama import TransformerBlock, rope_tables
+
+    if device.type == "cpu":
+        shapes = [(4096, 64, 176, 4), (2048, 256, 688, 8), (1024, 576, 1536, 8), (512, 1536, 4096, 24)]
+    else:
+        shapes = [(8192, 512, 1408, 8), (8192, 2048, 5632, 16), (8192, 4096, 14336, 32)]
+    rows = {}
+    for tokens, dim, ffn, heads in shapes:
+        seq = min(256, tokens) if device.type == "cpu" else 2048
+        cfg = ModelConfig(vocab_size=256, dim=dim, n_layers=1, n_heads=heads, n_kv_heads=max(1, heads // 2),
+                          ffn_dim=ffn, max_seq_len=seq, name="probe")
+        block = TransformerBlock(cfg).to(device=device, dtype=dtype)
+        x = torch.randn(tokens // seq, seq, dim, device=device, dtype=dtype)
+        cos, sin = (t.to(device=device, dtype=dtype) for t in rope_tables(cfg, seq))
+        rates = []
+        for i in range(3 if quick else 5):
+            xi = x.detach().requires_grad_(True)
+            block.zero_grad(set_to_none=True)
+            timer = GemmTimer(device)
+            with timer:
+                block(xi, cos, sin).sum().backward()
+            if i:  # the first run warms the allocator and kernel selection
+                rates.append(timer.flops / timer.seconds)
+        rate = statistics.median(rates)
+        rows[str(dim)] = {"tokens": tokens, "ffn_dim": ffn, "heads": heads, "flops": rate,
+                          "efficiency": min(1.0, rate / best_flops)}
+    return {"dtype": str(dtype).removeprefix("torch."), "by_width": rows,
+            "efficiency_by_width": {w: r["efficiency"] for w, r in rows.items()}}
+
+
 def measure_attention(device: torch.device, best_flops: float, quick: bool) -> dict:
     """FLOP/s of causal scaled-dot-product attention, forward + backward, by head size, counted as
     the planner counts it (Q·Kᵀ and P·V over the unmasked half: 3 x 2·s²·d per head)."""

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from hardy.errors import HardyError
-from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv,
+from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv, measure_layer_gemms,
                                     measure_training_gemms, sync)
 
 SCHEMA = "hardy.probe/1"
@@ -391,6 +391,10 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
     def training_shapes():
         best = profile["matmul"]["dtypes"]["fp32"]["best_flops"]
         profile["training_gemm"] = measure_training_gemms(device, best, quick)
+        # a real layer's GEMMs in the dtype this device trains in: fp32 on a CPU, bf16 on a GPU
+        trains_in = "bf16" if device.type == "cuda" else "fp32"
+        profile["layer_gemm"] = measure_layer_gemms(device, profile["matmul"]["dtypes"][trains_in]["best_flops"],
+                                                    quick, DTYPES[trains_in])
         profile["attention"] = measure_attention(device, best, quick)
         profile["elementwise"] = measure_elementwise(device, quick)
         profile["gemv"] = measure_gemv(device, quick)

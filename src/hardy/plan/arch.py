@@ -34,6 +34,9 @@ class GPTConfig:
     tie_embeddings: bool = True
     dropout: bool = True
     name: str = "gpt-custom"
+    # "unfused": Megatron's attention, softmax and dropout over materialized s×s scores (Korthikanti et
+    # al.); "flash": a fused causal kernel (FlashAttention, MPT's triton kernel) that keeps none of them
+    attention: str = "unfused"
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -41,6 +44,8 @@ class GPTConfig:
                 raise HardyError(f"invalid GPT config: {key} must be positive (got {getattr(self, key)})")
         if self.dim % self.n_heads:
             raise HardyError(f"invalid GPT config: dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.attention not in ("unfused", "flash"):
+            raise HardyError(f"invalid GPT config: attention must be unfused or flash (got {self.attention!r})")
 
     @property
     def ffn(self) -> int:
@@ -76,6 +81,7 @@ class Arch:
     params_per_layer: int
     params_embedding: int  # input embedding (+ learned positions for GPT)
     params_head: int  # untied LM head (0 when tied) + final norm
+    flash_attention: bool = True  # a fused causal kernel: no s×s scores kept, the masked half skipped
 
     @property
     def q_dim(self) -> int:
@@ -139,7 +145,7 @@ def arch_from_gpt(cfg: GPTConfig) -> Arch:
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads, head_dim=h // cfg.n_heads, ffn_dim=f,
                 tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout, max_seq_len=cfg.max_seq_len,
                 params_total=cfg.n_layers * per_layer + embedding + head, params_per_layer=per_layer,
-                params_embedding=embedding, params_head=head)
+                params_embedding=embedding, params_head=head, flash_attention=cfg.attention == "flash")
 
 
 def load_arch(spec: str) -> Arch:

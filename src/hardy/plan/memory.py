@@ -84,9 +84,12 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
         replicated = tokens * arch.dim * (4 * e + 2 * mask)
         # split by TP: Q, K, V, projection input (e·h each), GeLU input and output (e·f each)
         split = tokens * (4 * arch.dim * e + 2 * arch.ffn_dim * e)
-        # s×s per head: softmax output (e), dropout mask (1), dropout output (e)
+        # s×s per head: softmax output (e), dropout mask (1), dropout output (e); a flash kernel keeps
+        # only a log-sum-exp per head and token (fp32) and its output (the projection input, above)
         scores = a.micro_batch * arch.n_heads * a.seq * a.seq * ((2 * e + 1) if arch.dropout else e)
-        if recompute == "selective":
+        if arch.flash_attention:
+            scores = tokens * arch.n_heads * 4
+        elif recompute == "selective":
             scores = 0.0
         return replicated / rep + (split + scores) / t
     # residual dropout keeps two masks (CUDA: 1-byte bool; CPU: the activation dtype)

@@ -85,7 +85,10 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
         elementwise_bandwidth=(profile.get("elementwise") or {}).get("bandwidth"),
         decode_bandwidth=(profile.get("gemv") or {}).get("bandwidth"),
         decode_bandwidth_by_width=_table(profile, "gemv", "bandwidth_by_width"),
-        gemm_efficiency_by_width=_table(profile, "training_gemm", "efficiency_by_width"),
+        # a real layer's GEMMs (all its shapes, median rate) where the profile has them; older profiles
+        # have only the one-shape benchmark of a linear layer
+        gemm_efficiency_by_width=(_table(profile, "layer_gemm", "efficiency_by_width")
+                                  or _table(profile, "training_gemm", "efficiency_by_width")),
         attention_efficiency_by_head_dim=_table(profile, "attention", "efficiency_by_head_dim"),
         intra_node=intra, inter_node=inter,
         disk_write_bandwidth=_field(profile, "disk.write_bandwidth", where), price_per_device_hour=None,

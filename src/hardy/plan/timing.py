@@ -76,7 +76,7 @@ def layer_gemm_flops(arch: Arch, s: StepSetup) -> tuple[float, float]:
     matmul_params = 2 * arch.dim * arch.q_dim + 2 * arch.dim * arch.kv_dim + (3 if arch.family == "llama" else 2) \
         * arch.dim * arch.ffn_dim
     # Q·K^T and P·V: 4·s·(a·d_h) per token; a causal flash kernel (hardy's SDPA) skips the masked half.
-    core = 4 * tokens * s.seq * arch.q_dim * (0.5 if arch.family == "llama" else 1.0)
+    core = 4 * tokens * s.seq * arch.q_dim * (0.5 if arch.flash_attention else 1.0)
     return (2 * tokens * matmul_params + core) / s.tp, core / s.tp
 
 
@@ -106,7 +106,8 @@ def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False)
         split = c["f"] * arch.ffn_dim + c["q"] * arch.q_dim + c["kv"] * arch.kv_dim
         replicated = c["h"] * h  # norms and residuals: replicated under TP unless sequence-parallel
         return tokens * (split / s.tp + replicated / (s.tp if s.sequence_parallel else 1)) * e
-    scores = 2 * 2 * arch.n_heads * s.seq  # softmax + dropout over the s scores of every head
+    # softmax + dropout over the s scores of every head (none leave a flash kernel)
+    scores = 0 if arch.flash_attention else 2 * 2 * arch.n_heads * s.seq
     if scores_only:
         return 3 * tokens * scores / s.tp * e
     per_token = 2 * 2 * h + 2 * 3 * h + 2 * arch.ffn_dim + (2 * h if arch.dropout else 0)
@@ -151,7 +152,7 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     extra_core = {"none": 0.0, "full": core, "selective": selective_core}[s.recompute] * s.recompute_fraction
     proj, attn = 3 * (fwd - core) + extra_proj, 3 * core + extra_core
     gemm_rate = hw.gemm_rate(dtype, arch.dim)
-    attn_rate = hw.attention_rate(dtype, arch.head_dim) if arch.family == "llama" else gemm_rate
+    attn_rate = hw.attention_rate(dtype, arch.head_dim) if arch.flash_attention else gemm_rate
     elem = layer_elementwise_bytes(arch, s)
     if s.recompute == "full":  # the forward (a third of the traffic) runs twice
         elem *= 1 + s.recompute_fraction / 3
