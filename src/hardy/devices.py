@@ -11,7 +11,6 @@ import torch
 
 from hardy.errors import HardyError
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # cuBLAS picks reduction orders per workspace; a fixed workspace makes its GEMMs repeatable
 # (NVIDIA's cuBLAS docs, "Results reproducibility"). Read once, when cuBLAS first starts.
 CUBLAS_DETERMINISTIC = ":4096:8"

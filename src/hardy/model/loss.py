@@ -24,6 +24,16 @@ def _chunks(n: int, vocab: int):
     return range(0, n, chunk), chunk
 
 
+def _add_chunk_gradients(g, h, w, grad_h_rows, grad_w) -> None:
+    """One chunk's share of the gradients from its logit gradient g: rows of d/dhidden, and d/dweight
+    accumulated in fp32."""
+    torch.mm(g, w, out=grad_h_rows)
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.t(), h)  # in place: no 113 MB temporary per chunk for SmolLM2
+    else:
+        grad_w += (g.t() @ h).float()
+
+
 def _softmax_minus_one_hot(logp: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     g = logp.exp_()  # softmax, in place; d(sum loss)/d(logits) = softmax - one_hot
     g[torch.arange(len(t), device=t.device), t] -= 1.0
@@ -49,11 +59,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total -= logp.gather(1, t[:, None]).sum()
             if early:
                 g = _softmax_minus_one_hot(logp, t).to(hidden.dtype)
-                torch.mm(g, w, out=grad_h[start:start + chunk])
-                if g.dtype == grad_w.dtype:
-                    grad_w.addmm_(g.t(), h)  # in place: no 113 MB temporary per chunk for SmolLM2
-                else:
-                    grad_w += (g.t() @ h).float()
+                _add_chunk_gradients(g, h, w, grad_h[start:start + chunk], grad_w)
         ctx.deferred = deferred
         if early:  # the 1/n of the mean, applied to the small results rather than the logits
             grad_h /= n
@@ -87,8 +93,7 @@ def _scaled_gradients(hidden, weight, targets, grad_out):
         t = targets[start:start + chunk]
         logp = torch.log_softmax((h @ w.t()).float(), dim=-1)
         g = (_softmax_minus_one_hot(logp, t) * factor).to(hidden.dtype)
-        torch.mm(g, w, out=grad_h[start:start + chunk])
-        grad_w += (g.t() @ h).float()
+        _add_chunk_gradients(g, h, w, grad_h[start:start + chunk], grad_w)
     return grad_h, grad_w.to(weight.dtype)
 
 

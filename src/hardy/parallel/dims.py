@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from hardy.errors import HardyError
 
+# How the data-parallel degrees are wrapped (`parallelize.wrapping`); the config checks against it too.
+WRAPS = ("auto", "fsdp", "ddp")
+
 
 @dataclass(frozen=True)
 class ParallelDims:

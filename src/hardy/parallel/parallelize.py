@@ -8,7 +8,6 @@ sharded run starts from exactly the weights of a single-process run.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import torch.distributed as dist
@@ -16,9 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hardy.errors import HardyError
-from hardy.parallel.dims import ParallelDims
-
-log = logging.getLogger(__name__)
+from hardy.parallel.dims import WRAPS, ParallelDims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,9 +36,6 @@ def preload() -> None:
     opt = torch.optim.AdamW(layer.parameters())
     checkpoint(layer, torch.ones(2, 4), use_reentrant=False).sum().backward()
     opt.step()
-
-
-WRAPS = ("auto", "fsdp", "ddp")
 
 
 def wrapping(dims: ParallelDims, wrap: str = "auto") -> str | None:

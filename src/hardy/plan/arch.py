@@ -96,8 +96,7 @@ class Arch:
         + 12·L·a·d_h·s for attention (PaLM appendix B; Megatron's 72Bslh²(1 + s/6h + V/12lh))."""
         if self.family == "llama":
             return flops_per_token(self.model_config(), seq_len)
-        matmul = self.n_layers * (2 * self.dim * self.q_dim + 2 * self.dim * self.kv_dim
-                                  + 2 * self.dim * self.ffn_dim) + self.vocab_size * self.dim
+        matmul = self.n_layers * self.layer_matmul_params() + self.vocab_size * self.dim
         return 6 * matmul + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     def layer_matmul_params(self) -> int:

@@ -73,8 +73,7 @@ def compute_dtype(hw: Hardware, precision: str) -> str:
 def layer_gemm_flops(arch: Arch, s: StepSetup) -> tuple[float, float]:
     """(forward GEMM FLOPs of one layer on one TP rank, of which the attention core)."""
     tokens = s.seq * s.micro_batch
-    matmul_params = 2 * arch.dim * arch.q_dim + 2 * arch.dim * arch.kv_dim + (3 if arch.family == "llama" else 2) \
-        * arch.dim * arch.ffn_dim
+    matmul_params = arch.layer_matmul_params()
     # Q·K^T and P·V: 4·s·(a·d_h) per token; a causal flash kernel (hardy's SDPA) skips the masked half.
     core = 4 * tokens * s.seq * arch.q_dim * (0.5 if arch.flash_attention else 1.0)
     return (2 * tokens * matmul_params + core) / s.tp, core / s.tp

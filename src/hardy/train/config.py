@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.parallel.dims import WRAPS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -124,7 +125,7 @@ class ParallelSection:
 
     def __post_init__(self):
         _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend must be auto, gloo or nccl")
-        _check(self.wrap in ("auto", "fsdp", "ddp"), f"parallel.wrap must be auto, fsdp or ddp (got {self.wrap!r})")
+        _check(self.wrap in WRAPS, f"parallel.wrap must be one of {', '.join(WRAPS)} (got {self.wrap!r})")
 
 
 @dataclass
