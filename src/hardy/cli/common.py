@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -18,13 +19,22 @@ class Parser(argparse.ArgumentParser):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def add_model_args(p, threads: bool = True) -> None:
+def add_model_args(p, threads: bool = True, gguf: bool = True) -> None:
+    """`gguf=False` for commands that need float weights (compression): no --gguf-weights."""
     p.add_argument("--model", required=True,
                    help="smollm2-135m, a .gguf file, or a model directory (hardy export / Hugging Face layout)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="compute dtype (default fp32)")
     add_device_arg(p)
+    if gguf:
+        add_gguf_arg(p)
     if threads:
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_gguf_arg(p) -> None:
+    p.add_argument("--gguf-weights", default="native", choices=("native", "float"),
+                   help="a quantized GGUF: native (default) keeps its Q4_0/Q4_1/Q8_0/K-quant matrices "
+                        "quantized, in the memory the file needs; float dequantizes them to --dtype")
 
 
 def add_device_arg(p) -> None:
@@ -39,14 +49,16 @@ def requested_device(args) -> torch.device:
     from hardy.formats.load import is_quantized_source
 
     spec = getattr(args, "device", "auto")
-    return resolve_device(spec, quantized=spec in ("auto", None) and is_quantized_source(args.model))
+    gguf = getattr(args, "gguf_weights", "float")
+    return resolve_device(spec, quantized=spec in ("auto", None) and is_quantized_source(args.model, gguf))
 
 
 def load_from_args(args, need_tokenizer: bool = True):
     from hardy.formats.load import load_model, set_threads
 
     set_threads(getattr(args, "threads", None))
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args))
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args),
+                        gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty())
     if need_tokenizer and loaded.tokenizer is None:
         raise HardyError(f"{args.model}: the model has no tokenizer")
     return loaded

@@ -10,7 +10,7 @@ from hardy.cli.common import add_model_args
 
 def register(sub) -> None:
     p = sub.add_parser("compress", help="quantize and/or prune a model (writes a directory every hardy command loads)")
-    add_model_args(p)
+    add_model_args(p, gguf=False)  # compression starts from float weights
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--quant", choices=["rtn", "gptq", "awq"], default=None)
     p.add_argument("--bits", type=int, default=4, choices=[8, 4, 3])

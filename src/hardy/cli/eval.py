@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from hardy.cli.common import Parser, add_device_arg, add_model_args, load_from_args
+from hardy.cli.common import Parser, add_device_arg, add_gguf_arg, add_model_args, load_from_args
 
 
 def register(sub) -> None:
@@ -56,6 +56,7 @@ def register_compare(tasks) -> None:
     pc.add_argument("--batch", type=int, default=4, help="chunks evaluated together")
     pc.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     add_device_arg(pc)
+    add_gguf_arg(pc)
     pc.add_argument("--no-speed", action="store_true", help="skip the speed and peak-RSS measurement")
     pc.add_argument("--prompt-tokens", type=int, default=128)
     pc.add_argument("--new-tokens", type=int, default=64)
@@ -81,9 +82,9 @@ def run_compare(args) -> int:
     ctx = args.ctx or (512 if args.protocol == "llama.cpp" else 2048)
     set_threads(args.threads)
     sizes = [size_on_disk(m) for m in args.model]
-    devices = [resolve_device(args.device, quantized=args.device == "auto" and is_quantized_source(m))
+    devices = [resolve_device(args.device, quantized=args.device == "auto" and is_quantized_source(m, args.gguf_weights))
                for m in args.model]
-    loaded = [load_model(m, device=d) for m, d in zip(args.model, devices)]
+    loaded = [load_model(m, device=d, gguf=args.gguf_weights) for m, d in zip(args.model, devices)]
     tok = loaded[0].tokenizer
     if tok is None:
         raise HardyError(f"{args.model[0]}: the reference model has no tokenizer")

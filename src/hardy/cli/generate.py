@@ -46,7 +46,7 @@ def run(args) -> int:
         from hardy.formats.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
 
-        check_tp(args.model, config_for(args.model), args.tp)  # bad input fails here, before any process starts
+        check_tp(args.model, config_for(args.model), args.tp, getattr(args, "gguf_weights", "float"))  # bad input fails here, before any process starts
         return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
     compile_step = args.compile

@@ -49,7 +49,7 @@ def run(args) -> int:
         from hardy.formats.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
 
-        check_tp(args.model, config_for(args.model), args.tp)  # bad input fails here, before any process starts
+        check_tp(args.model, config_for(args.model), args.tp, getattr(args, "gguf_weights", "float"))  # bad input fails here, before any process starts
         # torchrun passes SIGTERM on to the workers and waits this long before killing them (torch >= 2.9
         # reads it; older torch waits 30 s): rank 0 must have time to drain.
         os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(args.drain_timeout) + 15)

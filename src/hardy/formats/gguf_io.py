@@ -1,7 +1,8 @@
 """Read GGUF checkpoints (llama.cpp) into hardy's config, state dict and tokenizer.
 
-Tensors are dequantized with the `gguf` package's reference kernels; llama.cpp's Q/K row
-permutation is undone so the weights match the Hugging Face layout hardy's RoPE expects.
+`load_gguf` dequantizes every tensor to fp32 with the `gguf` package's reference kernels (training,
+compression); `load_gguf_quantized` keeps quantized matrices quantized (inference). llama.cpp's Q/K
+row permutation is undone so the weights match the Hugging Face layout hardy's RoPE expects.
 """
 from __future__ import annotations
 
@@ -19,33 +20,16 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 
 def open_gguf(path: str | os.PathLike):
-    import gguf
+    """The file's header parsed (`hardy.formats.gguf_reader`); tensors are views of its memory map.
+    Damaged or truncated files end in a one-line HardyError."""
+    from hardy.formats.gguf_reader import GGUFFile
 
-    path = Path(path)
-    if not path.is_file():
-        raise HardyError(f"model file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/KeyError/IndexError on damaged headers
-        raise HardyError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    # A truncated file can still parse its header: check that every tensor's bytes are present.
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise HardyError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte "
-                             f"{t.data_offset + t.n_bytes}, file has {size})")
-    return reader
+    return GGUFFile(path)
 
 
 def gguf_fields(reader) -> dict:
     """Decoded key/values of a GGUF file (strings, numbers, lists)."""
-    out = {}
-    for key, f in reader.fields.items():
-        try:
-            out[key] = f.contents()
-        except Exception:  # an exotic field type hardy does not use
-            continue
-    return out
+    return reader.fields
 
 
 def config_from_gguf(fields: dict, path: Path, name: str = "custom") -> ModelConfig:
@@ -117,3 +101,43 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
     cfg = cfg.replace(tie_embeddings="output.weight" not in state)
     tokenizer = tokenizer_from_gguf_fields(fields)
     return cfg, state, tokenizer, fields
+
+
+def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress: bool = False):
+    """Return (config, float state, {hardy name: PackedQuant}, tokenizer, {GGUF type: count}).
+
+    Quantized matrices go into hardy's format tensor by tensor from the memory-mapped file
+    (`hardy.formats.gguf_quant`); only 1-D tensors and float matrices are read as float.
+    """
+    from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf
+    from hardy.formats.tokenizer import tokenizer_from_gguf_fields
+
+    path = Path(path)
+    reader = open_gguf(path)
+    fields = gguf_fields(reader)
+    cfg = config_from_gguf(fields, path, name)
+    state, quantized, types = {}, {}, {}
+    tensors = [(t, from_format(t.name, "gguf")) for t in reader.tensors]
+    tensors = [(t, ours) for t, ours in tensors if ours is not None]
+    with _progress(len(tensors), progress, f"loading {path.name}") as bar:
+        for t, ours in tensors:
+            heads = cfg.n_heads if ours.endswith("attention.wq.weight") else (
+                cfg.n_kv_heads if ours.endswith("attention.wk.weight") else None)
+            if is_quantized(t):
+                q = packed_from_gguf(t)
+                check_unpacks(q, f"{path}: {t.name}")
+                quantized[ours] = q.map_rows(lambda x, h=heads: unpermute_qk(x, h)) if heads else q
+                types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+            else:
+                w = dequantize_tensor(t)
+                state[ours] = unpermute_qk(w, heads) if heads else w
+            reader.release(t)
+            bar.update(1)
+    cfg = cfg.replace(tie_embeddings="output.weight" not in state and "output.weight" not in quantized)
+    return cfg, state, quantized, tokenizer_from_gguf_fields(fields), types
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tensor", desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)

@@ -61,15 +61,28 @@ def resolve_source(spec: str) -> tuple[str, Path]:
                      "a .gguf file or a model directory")
 
 
-def is_quantized_source(spec: str) -> bool:
-    """Does `--model` name a `hardy compress` directory (quantized layers)? Unresolvable specs: False
-    (loading them reports the problem)."""
+GGUF_WEIGHTS = ("native", "float")  # quantized GGUF matrices kept quantized, or dequantized to float
+
+
+def is_quantized_source(spec: str, gguf: str = "float") -> bool:
+    """Will `--model` load with quantized layers (a `hardy compress` directory, or a quantized GGUF
+    loaded natively)? Unresolvable specs: False (loading them reports the problem)."""
     from hardy.compress.store import is_compressed_dir
 
     try:
         kind, path = resolve_source(spec)
     except HardyError:
         return False
+    if kind == "gguf":
+        if gguf != "native":
+            return False
+        from hardy.formats.gguf_io import open_gguf
+        from hardy.formats.gguf_quant import is_quantized
+
+        try:
+            return any(is_quantized(t) for t in open_gguf(path).tensors)
+        except HardyError:
+            return False
     return kind == "hf" and is_compressed_dir(path)
 
 
@@ -122,7 +135,12 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: s
     return model.to(device).eval()
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               gguf: str = "float", progress: bool = False) -> LoadedModel:
+    """`gguf="native"`: a quantized GGUF's matrices load as hardy quantized layers (the memory the
+    file needs, hardy's int8/int4 kernels); "float": dequantized to `dtype` (training, compression)."""
+    if gguf not in GGUF_WEIGHTS:
+        raise HardyError(f"gguf weights must be one of {', '.join(GGUF_WEIGHTS)} (got {gguf!r})")
     kind, path = resolve_source(spec)
     if kind == "run":
         from hardy.train.trainer import load_run_model
@@ -131,29 +149,41 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         return LoadedModel(model=model.to(dtype=dtype, device=device), tokenizer=tokenizer, config=cfg,
                            source=str(path))
     if kind == "gguf":
+        name = "smollm2-135m" if spec == "smollm2-135m" else path.stem
+        if gguf == "native":
+            from hardy.formats.gguf_io import load_gguf_quantized
+
+            cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress)
+            return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
         from hardy.formats.gguf_io import load_gguf
 
-        name = "smollm2-135m" if spec == "smollm2-135m" else path.stem
         cfg, state, tokenizer, _ = load_gguf(path, name=name)
     else:
         from hardy.compress.store import is_compressed_dir
 
         if is_compressed_dir(path):  # hardy compress output: quantized modules swapped in at load
-            from hardy.compress.store import load_compressed, model_from_compressed
+            from hardy.compress.store import load_compressed
 
             cfg, state, quantized, tokenizer, _ = load_compressed(path)
-            model = model_from_compressed(cfg, state, quantized, str(path)).to(device=device)
-            for p in model.parameters():  # float parameters only: codes and fp16 scales stay as stored
-                p.data = p.data.to(dtype)
-            from hardy.compress.kernels import prepare
-
-            prepare(model)  # the fused int8/int4 CPU decode kernels (HARDY_NO_KERNELS=1 or CUDA: the PyTorch path)
-            return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
+            return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
         from hardy.formats.hf import load_hf_dir
 
         cfg, state, tokenizer = load_hf_dir(path)
     model = model_from_state(cfg, state, str(path), dtype=dtype, device=device)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
+
+
+def quantized_model(cfg, state, quantized, tokenizer, source: str, dtype: torch.dtype,
+                    device: str | torch.device) -> LoadedModel:
+    """Quantized modules swapped in on the meta device, float tensors loaded in place, kernels attached."""
+    from hardy.compress.kernels import prepare
+    from hardy.compress.store import model_from_compressed
+
+    model = model_from_compressed(cfg, state, quantized, source).to(device=device)
+    for p in model.parameters():  # float parameters only: codes and fp16 scales stay as stored
+        p.data = p.data.to(dtype)
+    prepare(model)  # the fused int8/int4 CPU decode kernels (HARDY_NO_KERNELS=1 or CUDA: the PyTorch path)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=source)
 
 
 def set_threads(threads: int | None) -> None:

@@ -46,7 +46,7 @@ def cpu_only(args) -> None:
     args.device = "cpu"
 
 
-def check_tp(spec: str, cfg, tp: int) -> None:
+def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
     """Refuse, before any process starts, a degree the model cannot be split into."""
     import json
     import re
@@ -58,6 +58,16 @@ def check_tp(spec: str, cfg, tp: int) -> None:
     from hardy.parallel.quantized_tp import check_split
 
     check_tp_degree(cfg, tp)
+    if gguf == "native":
+        from hardy.formats.gguf_quant import native_layout
+        from hardy.formats.load import resolve_source
+
+        kind, path = resolve_source(spec)
+        if kind == "gguf":
+            for name, qspec, shape in native_layout(path):
+                kind = TP_PLAN.get(re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight"))
+                if kind:
+                    check_split(name, qspec, shape, kind, tp)
     if is_compressed_dir(Path(spec)):
         try:
             tensors = json.loads((Path(spec) / MANIFEST).read_text())["tensors"]

@@ -1,0 +1,175 @@
+"""GGUF quantized tensors straight into hardy's quantized-tensor format (docs/quantization.md),
+read from the memory-mapped file one tensor at a time: no float copy of the model is ever made.
+
+  Q4_0, Q4_1  -> int4 asymmetric, group 32: exact. Q4_1 *is* hardy's format (fp16 scale and min,
+                 the same nibble order); Q4_0's (q − 8)·d is q·d + (−8·d), and −8·d is exact in fp16.
+  Q8_0        -> int8 symmetric, group 32: exact (fp16 scale, int8 codes).
+  Q4_K        -> int4 asymmetric, group 32: the codes unchanged, each sub-block's scale d·sc and min
+                 dmin·m (fp32 products of fp16 and 6-bit integers in llama.cpp) rounded to fp16 —
+                 a relative error of at most 2⁻¹¹ in each, far below a 4-bit step.
+  any other   -> int8 symmetric, group 32, re-quantized from the `gguf` package's dequantized
+  quantized      values (Q5_*, Q6_K, Q2_K, Q3_K, IQ*): at most half an int8 step of error per
+  type           weight (Q6_K's own step is ~4× coarser), ~1.06 bytes per weight in memory.
+F32/F16/BF16 tensors and 1-D ones (norms) stay float, as in the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hardy.compress.quant import QuantSpec, QuantTensor, pack_int4, rtn
+from hardy.errors import HardyError
+
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q4_K": "scales rounded to fp16"}
+INT4_G32 = QuantSpec(4, 32, False)
+INT8_G32 = QuantSpec(8, 32, True)
+
+
+@dataclass
+class PackedQuant:
+    """A quantized weight already in hardy's stored layout (qweight / scales / mins): what the module
+    swap needs, without unpacking the codes (`QuantTensor` holds one byte per code)."""
+
+    parts: dict[str, torch.Tensor]
+    spec: QuantSpec
+    shape: tuple[int, int]
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        return self.parts
+
+    def quant_tensor(self) -> QuantTensor:
+        return QuantTensor.from_packed(self.parts, self.spec, self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.quant_tensor().dequantize()
+
+    def map_rows(self, fn) -> "PackedQuant":
+        """The same rows reordered by `fn` (every stored tensor is [rows, ...])."""
+        return PackedQuant({k: fn(v).contiguous() for k, v in self.parts.items()}, self.spec, self.shape)
+
+
+def _blocks(t, block_values: int, block_bytes: int) -> tuple[np.ndarray, int, int]:
+    """The tensor's bytes as [rows, blocks per row, block bytes], checked against its shape."""
+    cols, rows = int(t.shape[0]), int(np.prod([int(d) for d in t.shape[1:]]))
+    if cols % block_values:
+        raise HardyError(f"GGUF tensor {t.name}: {cols} columns are not whole {t.tensor_type.name} blocks")
+    nb = cols // block_values
+    data = np.asarray(t.data)
+    if data.size != rows * nb * block_bytes:
+        raise HardyError(f"GGUF tensor {t.name}: {data.size} bytes where {t.tensor_type.name} "
+                         f"{rows}x{cols} needs {rows * nb * block_bytes}")
+    return data.reshape(rows, nb, block_bytes), rows, cols
+
+
+def _half(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """The fp16 at byte `offset` of every block, as a [rows, blocks] fp16 tensor."""
+    raw = np.ascontiguousarray(blocks[:, :, offset:offset + 2])
+    return torch.from_numpy(raw.view(np.float16)[..., 0].copy())
+
+
+def _q4_legacy(t, with_min: bool) -> PackedQuant:
+    block_bytes = 20 if with_min else 18
+    blocks, rows, cols = _blocks(t, 32, block_bytes)
+    scale = _half(blocks, 0)
+    mins = _half(blocks, 2) if with_min else (scale.float() * -8).half()
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, block_bytes - 16:]).reshape(rows, cols // 2))
+    return PackedQuant({"qweight": qs, "scales": scale, "mins": mins}, INT4_G32, (rows, cols))
+
+
+def _q8_0(t) -> PackedQuant:
+    blocks, rows, cols = _blocks(t, 32, 34)
+    codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
+    return PackedQuant({"qweight": torch.from_numpy(codes), "scales": _half(blocks, 0)}, INT8_G32, (rows, cols))
+
+
+def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of each Q4_K super-block from its 12 packed bytes
+    (llama.cpp's get_scale_min_k4), as [..., 8] integer arrays."""
+    s = s.astype(np.uint16)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint16)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def _q4_k(t) -> PackedQuant:
+    blocks, rows, cols = _blocks(t, 256, 144)
+    d = _half(blocks, 0).float().numpy()[..., None]
+    dmin = _half(blocks, 2).float().numpy()[..., None]
+    sc, mn = _q4_k_scales(blocks[:, :, 4:16])
+    scale = torch.from_numpy((d * sc).astype(np.float32)).reshape(rows, -1).half()
+    mins = torch.from_numpy(-(dmin * mn).astype(np.float32)).reshape(rows, -1).half()
+    # 4 chunks of 64 values per super-block, 32 bytes each: low nibbles = values 0-31 of the chunk,
+    # high nibbles = values 32-63. hardy's blocks of 32 pack code j with code j + 16 instead.
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 16:]).reshape(rows, -1, 4, 32))
+    codes = torch.stack((qs & 15, qs >> 4), dim=3).reshape(rows, cols)
+    return PackedQuant({"qweight": pack_int4(codes), "scales": scale, "mins": mins}, INT4_G32, (rows, cols))
+
+
+def _requantized(t) -> PackedQuant:
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise HardyError(f"GGUF tensor {t.name}: type {t.tensor_type.name} is not supported") from None
+    cols = int(t.shape[0])
+    w = torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(-1, cols))
+    qt = rtn(w, INT8_G32)
+    return PackedQuant(qt.packed(), qt.spec, qt.shape)
+
+
+def is_quantized(t) -> bool:
+    return t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
+
+
+def conversion(type_name: str) -> str:
+    """How a GGUF type becomes a hardy quantized tensor (for the load summary and docs)."""
+    return EXACT.get(type_name, "re-quantized to int8 g32")
+
+
+def packed_from_gguf(t) -> PackedQuant:
+    """One quantized 2-D GGUF tensor as hardy's packed format, in the file's row order."""
+    name = t.tensor_type.name
+    if name == "Q4_0":
+        return _q4_legacy(t, with_min=False)
+    if name == "Q4_1":
+        return _q4_legacy(t, with_min=True)
+    if name == "Q8_0":
+        return _q8_0(t)
+    if name == "Q4_K":
+        return _q4_k(t)
+    return _requantized(t)
+
+
+def check_unpacks(q: PackedQuant, where: str) -> None:
+    """Shapes agree with the spec (what QuantTensor.from_packed checks, without unpacking 8-bit)."""
+    rows, cols = q.shape
+    groups = q.spec.groups(cols)
+    want = (rows, cols // 2) if q.spec.bits == 4 else (rows, cols)
+    if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != (rows, groups):
+        raise HardyError(f"{where}: quantized tensors do not match {q.spec.to_dict()} for shape {q.shape}")
+
+
+
+def spec_for(type_name: str) -> QuantSpec:
+    """The hardy format a quantized GGUF type loads as (see the table above)."""
+    return INT4_G32 if type_name in ("Q4_0", "Q4_1", "Q4_K") else INT8_G32
+
+
+def native_layout(path) -> list[tuple[str, QuantSpec, tuple[int, int]]]:
+    """(hardy name, spec, shape) of every matrix a native load quantizes, read from the header only."""
+    from hardy.formats.gguf_io import open_gguf
+    from hardy.formats.names import from_format
+
+    out = []
+    for t in open_gguf(path).tensors:
+        ours = from_format(t.name, "gguf")
+        if ours is not None and is_quantized(t):
+            out.append((ours, spec_for(t.tensor_type.name), (int(t.shape[1]), int(t.shape[0]))))
+    return out

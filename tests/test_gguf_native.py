@@ -1,0 +1,175 @@
+"""Quantized GGUF files load straight into hardy's quantized layers: bit-exact for Q4_0/Q4_1/Q8_0,
+within the documented error for K-quants and the re-quantized types, in the memory the file needs,
+through a header reader that agrees with the `gguf` package's and refuses damaged headers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hardy_main, run_hardy
+from hardy.errors import HardyError
+from hardy.formats.gguf_io import load_gguf, load_gguf_quantized, open_gguf
+from hardy.formats.gguf_quant import INT4_G32, INT8_G32, packed_from_gguf
+from hardy.formats.load import load_model
+
+gguf = pytest.importorskip("gguf")
+LEGACY = ("Q8_0", "Q4_0", "Q4_1")
+
+
+@pytest.fixture(scope="module")
+def mini_ggufs(mini_run, tmp_path_factory):
+    """The trained `mini` model exported by `hardy export` in each legacy quantized type."""
+    out = tmp_path_factory.mktemp("native")
+    paths = {}
+    for qtype in LEGACY:
+        paths[qtype] = out / f"mini.{qtype}.gguf"
+        proc = hardy_main("export", "--model", str(mini_run / "run"), "--format", "gguf", "--type", qtype,
+                          "--out", str(paths[qtype]))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return paths
+
+
+@pytest.mark.parametrize("qtype", LEGACY)
+def test_legacy_types_load_bit_exact_without_a_float_copy(mini_ggufs, qtype):
+    path = mini_ggufs[qtype]
+    cfg_float, reference, _, _ = load_gguf(path)  # the gguf package's dequantizer: the reference
+    cfg, floats, quantized, _, types = load_gguf_quantized(path)
+    assert cfg == cfg_float
+    matrices = [t for t in open_gguf(path).tensors if len(t.shape) == 2]
+    assert types == {qtype: len(matrices)} and len(quantized) == len(matrices)
+    assert set(quantized) | set(floats) == set(reference) and not set(quantized) & set(floats)
+    for name, q in quantized.items():
+        assert q.spec == (INT8_G32 if qtype == "Q8_0" else INT4_G32)
+        assert torch.equal(q.dequantize(), reference[name]), name  # q/k rows unpermuted too
+    for name, t in floats.items():
+        assert t.ndim == 1 and torch.equal(t, reference[name]), name
+
+
+def test_native_model_prefills_exactly_like_the_float_one(mini_ggufs, mini_run):
+    native = load_model(str(mini_ggufs["Q4_0"]), gguf="native")
+    dense = load_model(str(mini_ggufs["Q4_0"]), gguf="float")
+    from hardy.compress.qlinear import QuantLinear
+
+    assert sum(isinstance(m, QuantLinear) for m in native.model.modules()) > 0
+    assert not any(p.numel() > 100_000 for p in native.model.parameters())  # no float matrix left
+    ids = torch.tensor([native.tokenizer.encode((mini_run / "heldout.txt").read_text()[:600])[:96]])
+    with torch.no_grad():  # many tokens: dequantized once per call, the same fp32 GEMMs
+        assert torch.equal(native.model(ids), dense.model(ids))
+
+
+def _fake_tensor(qtype, rows: int, blocks: np.ndarray):
+    class Fake:  # what packed_from_gguf reads from a GGUF tensor
+        name = f"fake.{qtype.name}"
+        tensor_type = qtype
+        shape = np.array([blocks.shape[1] * gguf.GGML_QUANT_SIZES[qtype][0], rows], dtype=np.uint64)
+        data = np.ascontiguousarray(blocks.reshape(rows, -1))
+    return Fake()
+
+
+def _random_blocks(qtype, rows: int, cols: int, half_offsets: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Random bytes in every block, with its fp16 scales set to finite, positive values."""
+    rng = np.random.default_rng(seed)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for offset in half_offsets:
+        d = rng.uniform(1e-4, 4e-3, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks
+
+
+def test_q4_k_keeps_its_codes_and_rounds_only_the_sub_block_scales():
+    qtype = gguf.GGMLQuantizationType.Q4_K
+    t = _fake_tensor(qtype, 6, _random_blocks(qtype, 6, 1024, (0, 2)))
+    reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(6, 1024))
+    q = packed_from_gguf(t)
+    assert q.spec == INT4_G32
+    qt = q.quant_tensor()
+    err = (qt.dequantize() - reference).abs()
+    # per weight: |code| · |scale| · 2⁻¹¹ + |min| · 2⁻¹¹ (the fp16 rounding of d·sc and dmin·m)
+    bound = (2.0 ** -11) * (15 * qt.scale.float().abs() + qt.mins.float().abs()).repeat_interleave(32, dim=1)
+    assert (err <= bound * 1.001 + 1e-12).all() and err.max() > 0
+    assert err.max() < 1e-3 * reference.abs().max()
+
+
+@pytest.mark.parametrize("type_name,half_offsets", [("Q6_K", (208,)), ("Q5_K", (0, 2)), ("Q3_K", (108,))])
+def test_other_types_are_requantized_to_int8_within_half_a_step(type_name, half_offsets):
+    qtype = gguf.GGMLQuantizationType[type_name]
+    t = _fake_tensor(qtype, 4, _random_blocks(qtype, 4, 512, half_offsets, seed=1))
+    reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(4, 512))
+    q = packed_from_gguf(t)
+    assert q.spec == INT8_G32
+    qt = q.quant_tensor()
+    scale = qt.scale.float().repeat_interleave(32, dim=1)
+    group_max = reference.abs().reshape(4, -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    err = (qt.dequantize() - reference).abs()
+    assert (err <= scale / 2 * 1.001 + group_max * 2.0 ** -10).all()
+
+
+def test_header_reader_agrees_with_the_gguf_package(smollm2_path):
+    ours, theirs = open_gguf(smollm2_path), gguf.GGUFReader(smollm2_path)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert fields == ours.fields
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset, a.n_bytes) == (
+            b.name, b.tensor_type, list(b.shape), b.data_offset, b.n_bytes)
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
+def test_damaged_headers_are_one_line_errors(mini_ggufs, tmp_path):
+    good = mini_ggufs["Q8_0"].read_bytes()
+    header_end = open_gguf(mini_ggufs["Q8_0"]).tensors[0].data_offset
+    cases = {"magic": b"GGUX" + good[4:], "version": good[:4] + (9).to_bytes(4, "little") + good[8:],
+             "counts": good[:8] + (2 ** 62).to_bytes(8, "little") + good[16:],
+             "header cut": good[:header_end // 2], "data cut": good[:header_end + 100]}
+    # the first key's value type (after magic, version, two counts and the key string)
+    key_len = int.from_bytes(good[24:32], "little")
+    cases["value type"] = good[:32 + key_len] + (77).to_bytes(4, "little") + good[36 + key_len:]
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(HardyError) as e:
+            load_gguf_quantized(path)
+        assert str(path) in str(e.value) and "\n" not in str(e.value), name
+
+
+# Peak RSS from VmHWM after resetting it (ru_maxrss would start at the forking pytest's own RSS).
+MEMORY_PROBE = """
+import json, psutil, sys
+import hardy.formats.load as L
+open("/proc/self/clear_refs", "w").write("5")
+base = psutil.Process().memory_info().rss
+m = L.load_model("smollm2-135m", gguf=sys.argv[1])
+held = sum(t.numel() * t.element_size() for t in [*m.model.parameters(), *m.model.buffers()])
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"peak": hwm * 1024 - base, "held": held}))
+"""
+
+
+def test_native_load_needs_the_memory_of_the_file_not_of_fp32(smollm2_path):
+    size = smollm2_path.stat().st_size
+
+    def probe(weights: str) -> dict:
+        return json.loads(subprocess.run([sys.executable, "-c", MEMORY_PROBE, weights], capture_output=True,
+                                         text=True, check=True).stdout)
+
+    native, dense = probe("native"), probe("float")
+    assert native["held"] <= size * 1.01 < dense["held"] / 5  # the tensors are the file's bytes, not fp32
+    # the file's pages (mapped while reading) + the tensors + tokenizer and kernels
+    assert native["peak"] <= 2 * size + 128 * 2 ** 20 < dense["peak"], (native, dense)
+
+
+def test_generate_runs_a_native_gguf_and_tp2_matches_one_process(mini_ggufs):
+    args = ["generate", "--model", str(mini_ggufs["Q4_1"]), "--prompt", "KING:", "--max-new-tokens", "24",
+            "--threads", "2"]
+    one = hardy_main(*args)
+    two = run_hardy(*args, "--tp", "2", timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and len(one.stdout) > len("KING:") + 10
+    dense = hardy_main(*args, "--gguf-weights", "float")
+    assert dense.returncode == 0 and dense.stdout.startswith("KING:")
