@@ -152,6 +152,9 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
         t0 = time.perf_counter()
         m = load_model(str(path), gguf="native")
         load_s = time.perf_counter() - t0
+        from hardy.cli.common import use_fast_prefill
+
+        use_fast_prefill(m)  # what hardy generate / serve do
         g = generate(m.model, prompt, SamplingConfig(max_new_tokens=new_tokens))
         ttft, decode_tps = g.stats.prefill_s, g.stats.decode_tps
     else:

@@ -21,13 +21,13 @@ import torch
 from decode_common import add_decode_args, transformers_smollm2
 
 
-def compress_rtn(base, bits: int, group: int, embeddings: bool, out: Path):
+def compress_rtn(base, bits: int, group: int, embeddings: str, out: Path):
     from hardy.compress.pipeline import CompressConfig, compress_model
     from hardy.compress.store import save_compressed
     from hardy.formats.load import load_model
 
     src = load_model(base)
-    cfg = CompressConfig(quant="rtn", bits=bits, group_size=group, quantize_embeddings=embeddings)
+    cfg = CompressConfig(quant="rtn", bits=bits, group_size=group, embeddings=embeddings)
     result = compress_model(src.model, cfg, None, progress=False)
     save_compressed(src.config, result.state, result.quantized, src.tokenizer, out, {"bench": True})
     return out
@@ -46,10 +46,12 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="hardy-qdecode-"))
     variants = {"hardy fp32": "smollm2-135m",
-                "hardy int8 +emb": compress_rtn("smollm2-135m", 8, 0, True, tmp / "int8"),
-                "hardy int4 g32 +emb": compress_rtn("smollm2-135m", 4, 32, True, tmp / "int4"),
-                "hardy int4 g32": compress_rtn("smollm2-135m", 4, 32, False, tmp / "int4-fp32emb")}
+                "hardy int8 +emb": compress_rtn("smollm2-135m", 8, 0, "same", tmp / "int8"),
+                "hardy int4 g32 +emb": compress_rtn("smollm2-135m", 4, 32, "same", tmp / "int4"),
+                "hardy int4 g32 (default)": compress_rtn("smollm2-135m", 4, 32, "int8", tmp / "int4-int8emb"),
+                "hardy int4 g32 dense emb": compress_rtn("smollm2-135m", 4, 32, "dense", tmp / "int4-fp32emb")}
     models = {name: load_model(str(spec)) for name, spec in variants.items()}
+    models["hardy shipped Q4_1, native"] = load_model("smollm2-135m", gguf="native")
     tok = models["hardy fp32"].tokenizer
     prompt = tok.encode(args.prompt)
     cfg = SamplingConfig(max_new_tokens=args.new_tokens)
@@ -67,10 +69,16 @@ def main() -> None:
         llama_cpp = None
         print("(llama-cpp-python is not installed: no llama.cpp rows; `pip install llama-cpp-python` compiles it)")
     if llama_cpp is not None:
-        for qtype, source in (("Q8_0", "hardy int8 +emb"), ("Q4_0", "hardy fp32"), ("Q4_1", "hardy int4 g32 +emb")):
+        from hardy.formats.load import smollm2_gguf_path
+
+        for qtype, source in (("Q8_0", "hardy int8 +emb"), ("Q4_0", "hardy fp32"), ("Q4_1", "hardy int4 g32 +emb"),
+                              ("Q4_1 shipped", None)):
             path = tmp / f"smollm2-{qtype}.gguf"
-            src = models[source]
-            export_gguf(src.model, src.config, src.tokenizer, path, qtype)
+            if source is None:
+                path = smollm2_gguf_path()
+            else:
+                src = models[source]
+                export_gguf(src.model, src.config, src.tokenizer, path, qtype)
             llm = llama_cpp.Llama(model_path=str(path), n_threads=args.threads, n_ctx=512, verbose=False)
 
             def run_llama(llm=llm):
@@ -84,7 +92,7 @@ def main() -> None:
                         break
                 return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
-            runners[f"llama.cpp {qtype} (hardy export)"] = run_llama
+            runners[f"llama.cpp {qtype}" + ("" if source is None else " (hardy export)")] = run_llama
 
     for fn in runners.values():
         fn()  # warm-up
@@ -101,7 +109,8 @@ def main() -> None:
         print(f"  {name:<32} {rate:12.1f} {rate / base:13.2f}x")
     for name in med:
         if name.startswith("llama.cpp Q4"):
-            print(f"  hardy int4 g32 +emb / {name}: {med['hardy int4 g32 +emb'] / med[name]:.2f}x")
+            for ours in ("hardy int4 g32 +emb", "hardy int4 g32 (default)", "hardy shipped Q4_1, native"):
+                print(f"  {ours} / {name}: {med[ours] / med[name]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -104,13 +104,17 @@ def test_stored_model_loads_into_quantized_modules(mini, tmp_path):
     loaded = mini["loaded"]
     save_compressed(loaded.config, result.state, result.quantized, loaded.tokenizer, tmp_path / "q", {"test": True})
     manifest = json.loads((tmp_path / "q" / "quantization.json").read_text())
-    assert manifest["format"] == "hardy.quant/1" and len(manifest["tensors"]) == 7 * loaded.config.n_layers
+    # seven linears per block + the (tied) embedding table, int8 g32 by default
+    assert manifest["format"] == "hardy.quant/1" and len(manifest["tensors"]) == 7 * loaded.config.n_layers + 1
+    assert manifest["tensors"]["tok_embeddings.weight"] | {"shape": None} == {
+        "bits": 8, "group_size": 32, "symmetric": True, "shape": None}
     again = load_model(str(tmp_path / "q"))
     mods = quantized_modules(again.model)
-    assert len(mods) == 7 * loaded.config.n_layers and all(isinstance(m, QuantLinear) for m in mods.values())
+    assert len(mods) == 7 * loaded.config.n_layers + 1 and all(isinstance(m, QuantLinear) for m in mods.values())
     assert not any(n.endswith("wq.weight") for n, _ in again.model.named_parameters())  # no float copy kept
     for name, module in mods.items():
-        assert torch.equal(module.dequantized_weight(), result.quantized[name + ".weight"].dequantize())
+        key = "tok_embeddings.weight" if name == "tok_embeddings.table" else name + ".weight"
+        assert torch.equal(module.dequantized_weight(), result.quantized[key].dequantize())
     x = torch.randn(3, 5, loaded.config.dim)
     lin = mods["layers.1.attention.wq"]
     ref = F.linear(x, result.quantized["layers.1.attention.wq.weight"].dequantize())
@@ -125,9 +129,14 @@ def test_stored_model_loads_into_quantized_modules(mini, tmp_path):
 def test_quantized_embeddings(mini, tmp_path):
     from hardy.compress.store import save_compressed
 
-    outcome = mini["run"](quant="rtn", bits=8, group_size=32, quantize_embeddings=True)
+    outcome = mini["run"](quant="rtn", bits=4, group_size=32, embeddings="same")
     result = outcome.result
-    assert "tok_embeddings.weight" in result.quantized and abs(outcome.ppl / mini["dense"] - 1) < 0.01
+    assert result.quantized["tok_embeddings.weight"].spec == result.quantized["layers.0.attention.wq.weight"].spec
+    dense = mini["run"](quant="rtn", bits=4, group_size=32, embeddings="dense")
+    assert "tok_embeddings.weight" not in dense.result.quantized
+    # int8 embeddings (the default) cost almost nothing; 4-bit ones more, but stay close
+    default = mini["run"](quant="rtn", bits=4, group_size=32)
+    assert abs(default.ppl / dense.ppl - 1) < 0.01 and abs(outcome.ppl / dense.ppl - 1) < 0.05
     loaded = mini["loaded"]
     save_compressed(loaded.config, result.state, result.quantized, loaded.tokenizer, tmp_path / "e", {})
     again = load_model(str(tmp_path / "e"))

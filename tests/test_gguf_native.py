@@ -173,3 +173,27 @@ def test_generate_runs_a_native_gguf_and_tp2_matches_one_process(mini_ggufs):
     assert two.stdout == one.stdout and len(one.stdout) > len("KING:") + 10
     dense = hardy_main(*args, "--gguf-weights", "float")
     assert dense.returncode == 0 and dense.stdout.startswith("KING:")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
+    """Many tokens: the C++ dequantization of a slab of rows at a time, one GEMM per slab, equals the
+    product with the whole dequantized matrix (fp32), and stays within bf16 rounding in bf16."""
+    from torch import nn
+
+    from hardy.compress import kernels, qlinear
+    from hardy.compress.quant import QuantSpec, rtn
+
+    if kernels.load() is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    torch.manual_seed(0)
+    spec = QuantSpec(4, 32, False) if bits == 4 else QuantSpec(8, 32, True)
+    layer = qlinear.QuantLinear(rtn(torch.randn(100, 256), spec))  # 100 rows: a partial tile of 8
+    assert kernels.prepare(nn.Sequential(layer)) == 1 and layer.dequant_range is not None
+    monkeypatch.setattr(qlinear, "PREFILL_SLAB_BYTES", 24 * 256 * 4)  # slabs of 24 rows: 5 of them
+    x = torch.randn(2, 20, 256)
+    exact = torch.nn.functional.linear(x, layer.dequantized_weight())
+    assert torch.allclose(layer(x), exact, rtol=1e-6, atol=1e-5)
+    qlinear.set_prefill_dtype(layer, torch.bfloat16)
+    fast = layer(x)
+    assert fast.dtype == torch.float32 and 0 < (fast - exact).norm() / exact.norm() < 1e-2

@@ -62,3 +62,15 @@ def load_from_args(args, need_tokenizer: bool = True):
     if need_tokenizer and loaded.tokenizer is None:
         raise HardyError(f"{args.model}: the model has no tokenizer")
     return loaded
+
+
+def use_fast_prefill(loaded) -> None:
+    """Inference (generate, serve): quantized layers run many-token products in bf16 where the CPU has
+    native bf16 dot products (~3.7x fp32's GEMM rate here, BENCHMARKS.md); evaluation keeps fp32."""
+    from hardy.compress.qlinear import set_prefill_dtype
+    from hardy.devices import compute_device
+    from hardy.ops.matmul_probe import has_fast_bf16
+
+    device = compute_device(loaded.model)
+    if device.type == "cpu" and has_fast_bf16(device):
+        set_prefill_dtype(loaded.model, torch.bfloat16)

@@ -21,8 +21,11 @@ def register(sub) -> None:
     p.add_argument("--prune-layers", default=None,
                    help="prune only these linears of every block, comma-separated from wq,wk,wv,wo,w1,w2,w3 "
                         "(default: all)")
-    p.add_argument("--quantize-embeddings", action="store_true",
-                   help="also quantize the embedding table (and the tied LM head) with RTN")
+    p.add_argument("--embeddings", choices=["int8", "same", "dense"], default="int8",
+                   help="the embedding table (and the LM head, tied or not): int8 g32 RTN (default, as GGUF "
+                        "files keep them), the same bits/group as the layers, or dense")
+    p.add_argument("--quantize-embeddings", action="store_const", dest="embeddings", const="same",
+                   help="= --embeddings same")
     p.add_argument("--no-act-order", action="store_true", help="GPTQ: quantize columns in their natural order")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ/SparseGPT dampening (fraction of mean diag H)")
     p.add_argument("--calib-data", default=None, help="calibration text file or bundled corpus (not the test set)")
@@ -64,7 +67,7 @@ def run(args) -> int:
     group = args.group_size if args.group_size is not None else (0 if args.bits == 8 else 128)
     cfg = CompressConfig(quant=args.quant, bits=args.bits, group_size=group, prune=args.prune, sparsity=args.sparsity,
                          prune_layers=parse_prune_layers(args.prune_layers),
-                         quantize_embeddings=args.quantize_embeddings, act_order=not args.no_act_order,
+                         embeddings=args.embeddings, act_order=not args.no_act_order,
                          damp=args.damp, calib_samples=args.calib_samples, calib_seq=args.calib_seq, seed=args.seed)
     text = read_text(args.calib_data) if args.calib_data else None  # bad input fails before the model loads
     if cfg.needs_calibration and text is None:

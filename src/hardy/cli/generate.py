@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from hardy.cli.common import add_model_args, load_from_args
+from hardy.cli.common import add_model_args, load_from_args, use_fast_prefill
 
 
 def register(sub) -> None:
@@ -49,6 +49,7 @@ def run(args) -> int:
         check_tp(args.model, config_for(args.model), args.tp, getattr(args, "gguf_weights", "float"))  # bad input fails here, before any process starts
         return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
+    use_fast_prefill(loaded)
     compile_step = args.compile
     if compile_step:
         from hardy.infer.generate import compile_blocker

@@ -28,7 +28,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import os
 
-    from hardy.cli.common import load_from_args
+    from hardy.cli.common import load_from_args, use_fast_prefill
     from hardy.errors import HardyError
     from hardy.parallel.distributed import leave_together
     from hardy.serve.api import Server
@@ -55,6 +55,7 @@ def run(args) -> int:
         os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(args.drain_timeout) + 15)
         return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
+    use_fast_prefill(loaded)
     runner = ModelRunner
     if args.tp > 1:
         from hardy.infer.tensor_parallel import shard_model

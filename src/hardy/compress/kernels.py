@@ -156,6 +156,8 @@ def make_kernel(layer, module):
 
     # embedding lookups (a decode step's one row per sequence) dequantize in C++ from the same bytes
     layer.lookup = lambda ids: module.dequant_rows(*kernel_tensors(layer), group, ids)
+    # prefill: consecutive rows into a float/bf16 slab (QuantLinear.forward multiplies slab by slab)
+    layer.dequant_range = lambda begin, out: module.dequant_range(*kernel_tensors(layer), group, begin, out)
     return kernel
 
 

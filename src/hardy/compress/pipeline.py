@@ -37,6 +37,10 @@ def parse_prune_layers(text: str | None) -> tuple[str, ...]:
 SAMPLE_TOKENS = 2048  # tokens kept per input for AWQ's searches and the error report
 
 
+EMBEDDINGS = ("int8", "same", "dense")
+EMBEDDING_INT8 = QuantSpec(8, 32, True)  # = GGUF Q8_0
+
+
 @dataclass(frozen=True)
 class CompressConfig:
     quant: str | None = None
@@ -48,7 +52,9 @@ class CompressConfig:
     # transformer blocks to compress, by index; () = all. The others stay as they are and only carry the
     # calibration activations on, so every compressed block sees the inputs the whole model gives it.
     blocks: tuple[int, ...] = ()
-    quantize_embeddings: bool = False
+    # the embedding table and an untied LM head: int8 g32 (GGUF files keep them at 8 bits or a
+    # K-quant), "same" as the layers' spec, or "dense"; only when quantizing
+    embeddings: str = "int8"
     act_order: bool = True
     damp: float = 0.01
     block_size: int = 128
@@ -57,6 +63,8 @@ class CompressConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if self.embeddings not in EMBEDDINGS:
+            raise HardyError(f"--embeddings must be one of {', '.join(EMBEDDINGS)} (got {self.embeddings!r})")
         if self.quant is None and self.prune is None:
             raise HardyError("nothing to do: give --quant and/or --prune")
         if self.quant is not None and self.quant not in QUANT_METHODS:
@@ -295,14 +303,15 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
             _propagate(block, x, cos, sin, chunk)
             bar.update()
         bar.close()
-        if cfg.quantize_embeddings and cfg.quant is not None:
+        if cfg.embeddings != "dense" and cfg.quant is not None and not cfg.blocks:  # `blocks`: only those
+            emb_spec = EMBEDDING_INT8 if cfg.embeddings == "int8" else spec
             emb = model.tok_embeddings.weight
-            q = rtn(emb.detach().float(), spec)  # no calibration input for a lookup table: RTN
+            q = rtn(emb.detach().float(), emb_spec)  # no calibration input for a lookup table: RTN
             quantized["tok_embeddings.weight"] = q
             emb.copy_(q.dequantize())
             if not mcfg.tie_embeddings:
                 out = model.output.weight
-                qo = rtn(out.detach().float(), spec)
+                qo = rtn(out.detach().float(), emb_spec)
                 quantized["output.weight"] = qo
                 out.copy_(qo.dequantize())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

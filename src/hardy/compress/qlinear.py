@@ -15,6 +15,19 @@ from torch import nn
 from hardy.compress.quant import QuantTensor
 
 FUSED_MAX_TOKENS = 4  # at most this many rows use the fused decode kernel
+# Prefill dequantizes the weights a slab of rows at a time (this many bytes of float weights: in L2/L3).
+PREFILL_SLAB_BYTES = 4 * 2 ** 20
+
+
+def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """The GEMM dtype of many-token products on fp32 activations in `model`'s quantized layers: fp32
+    (exact: evaluation, the default) or bf16, which inference sets where the CPU has native bf16 dot
+    products (the fp32 activations are rounded at the GEMM input, as llama.cpp rounds them to int8)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"prefill dtype must be float32 or bfloat16, not {dtype}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.prefill_dtype = dtype
 
 
 class QuantLinear(nn.Module):
@@ -28,12 +41,16 @@ class QuantLinear(nn.Module):
             self.mins = None
         self.kernel = None  # set by hardy.compress.kernels.prepare(), with `lookup` (rows -> float rows)
         self.lookup = None
-        self.tiled = False  # int4 tensors re-laid for the kernel (prepare); state_dict() stays in stored layout
+        self.dequant_range = None  # (first row, out slab) -> None: the C++ prefill dequantization
+        self.prefill_dtype = torch.float32  # see set_prefill_dtype
+        # int4 tensors re-laid for the kernel (prepare, or a GGUF loader that writes that layout
+        # directly); state_dict() stays in the stored layout
+        self.tiled = bool(getattr(qt, "tiled", False))
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         if self.qweight.device.type != "cpu":  # the fused kernels read host memory: off the CPU, PyTorch's path
-            self.kernel = self.lookup = None
+            self.kernel = self.lookup = self.dequant_range = None
         return out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -80,7 +97,25 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.numel() <= FUSED_MAX_TOKENS * self.in_features:
             return self.kernel(x)
+        if self.dequant_range is not None:
+            return self._slab_forward(x)
         return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def _slab_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Many tokens: the weights dequantized in C++ a slab of rows at a time (never the whole float
+        matrix: an 8B model's LM head would be 2 GB of fp32), each slab one GEMM."""
+        dtype = self.prefill_dtype if x.dtype == torch.float32 else x.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            dtype = torch.float32
+        xd = x.to(dtype)
+        rows = max(8, PREFILL_SLAB_BYTES // (self.in_features * xd.element_size()) // 8 * 8)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        slab = torch.empty(min(rows, self.out_features), self.in_features, dtype=dtype)
+        for r0 in range(0, self.out_features, rows):
+            w = slab[:min(rows, self.out_features - r0)]
+            self.dequant_range(r0, w)
+            out[..., r0:r0 + w.shape[0]] = F.linear(xd, w)
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.spec.to_dict()}"

@@ -124,9 +124,9 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
             heads = cfg.n_heads if ours.endswith("attention.wq.weight") else (
                 cfg.n_kv_heads if ours.endswith("attention.wk.weight") else None)
             if is_quantized(t):
-                q = packed_from_gguf(t)
+                q = packed_from_gguf(t, heads)
                 check_unpacks(q, f"{path}: {t.name}")
-                quantized[ours] = q.map_rows(lambda x, h=heads: unpermute_qk(x, h)) if heads else q
+                quantized[ours] = q
                 types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
             else:
                 w = dequantize_tensor(t)

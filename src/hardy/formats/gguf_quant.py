@@ -14,6 +14,7 @@ F32/F16/BF16 tensors and 1-D ones (norms) stay float, as in the file.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,19 +37,27 @@ class PackedQuant:
     parts: dict[str, torch.Tensor]
     spec: QuantSpec
     shape: tuple[int, int]
+    tiled: bool = False  # int4 already in the kernels' tiled layout (hardy.compress.kernels.tile_q4)
 
     def packed(self) -> dict[str, torch.Tensor]:
         return self.parts
 
+    def stored(self) -> dict[str, torch.Tensor]:
+        if not self.tiled:
+            return self.parts
+        from hardy.compress.kernels import untile_q4
+
+        return untile_q4(self.parts, self.shape[0])
+
     def quant_tensor(self) -> QuantTensor:
-        return QuantTensor.from_packed(self.parts, self.spec, self.shape)
+        return QuantTensor.from_packed(self.stored(), self.spec, self.shape)
 
     def dequantize(self) -> torch.Tensor:
         return self.quant_tensor().dequantize()
 
     def map_rows(self, fn) -> "PackedQuant":
         """The same rows reordered by `fn` (every stored tensor is [rows, ...])."""
-        return PackedQuant({k: fn(v).contiguous() for k, v in self.parts.items()}, self.spec, self.shape)
+        return PackedQuant({k: fn(v).contiguous() for k, v in self.stored().items()}, self.spec, self.shape)
 
 
 def _blocks(t, block_values: int, block_bytes: int) -> tuple[np.ndarray, int, int]:
@@ -111,17 +120,26 @@ def _q4_k(t) -> PackedQuant:
     return PackedQuant({"qweight": pack_int4(codes), "scales": scale, "mins": mins}, INT4_G32, (rows, cols))
 
 
+REQUANT_ROWS = 2048  # rows dequantized at a time: a 128k-row Q6_K head never exists whole in fp32
+
+
 def _requantized(t) -> PackedQuant:
     import gguf
 
-    try:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-    except NotImplementedError:
-        raise HardyError(f"GGUF tensor {t.name}: type {t.tensor_type.name} is not supported") from None
     cols = int(t.shape[0])
-    w = torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(-1, cols))
-    qt = rtn(w, INT8_G32)
-    return PackedQuant(qt.packed(), qt.spec, qt.shape)
+    data = np.asarray(t.data)
+    data = data.reshape(-1, data.shape[-1])
+    codes, scales = [], []
+    for r0 in range(0, data.shape[0], REQUANT_ROWS):
+        try:
+            values = gguf.quants.dequantize(data[r0:r0 + REQUANT_ROWS], t.tensor_type)
+        except NotImplementedError:
+            raise HardyError(f"GGUF tensor {t.name}: type {t.tensor_type.name} is not supported") from None
+        qt = rtn(torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(-1, cols)), INT8_G32)
+        part = qt.packed()
+        codes.append(part["qweight"])
+        scales.append(part["scales"])
+    return PackedQuant({"qweight": torch.cat(codes), "scales": torch.cat(scales)}, INT8_G32, (data.shape[0], cols))
 
 
 def is_quantized(t) -> bool:
@@ -133,8 +151,49 @@ def conversion(type_name: str) -> str:
     return EXACT.get(type_name, "re-quantized to int8 g32")
 
 
-def packed_from_gguf(t) -> PackedQuant:
-    """One quantized 2-D GGUF tensor as hardy's packed format, in the file's row order."""
+def _kernels():
+    from hardy.compress.kernels import load
+
+    return load()
+
+
+def _converted_in_cpp(t, order: torch.Tensor | None) -> PackedQuant | None:
+    """Q4_0/Q4_1 straight into the tiled layout, Q8_0 into codes + scales, rows reordered on the way,
+    by the kernels extension (one pass); None where it is not built (then the numpy path)."""
+    name = t.tensor_type.name
+    module = _kernels() if name in ("Q4_0", "Q4_1", "Q8_0") else None
+    if module is None:
+        return None
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
+    blocks, rows, cols = _blocks(t, 32, block_bytes)
+    with warnings.catch_warnings():  # a read-only view of the mapped file: read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(blocks.reshape(rows, -1))
+    order = torch.arange(rows) if order is None else order
+    if name == "Q8_0":
+        codes, scales = module.q8_gguf_split(raw, order)
+        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols))
+    q, scales, mins = module.q4_gguf_to_tiled(raw, name == "Q4_1", order)
+    return PackedQuant({"qweight": q, "scales": scales, "mins": mins}, INT4_G32, (rows, cols), tiled=True)
+
+
+def packed_from_gguf(t, heads: int | None = None) -> PackedQuant:
+    """One quantized 2-D GGUF tensor as hardy's packed format; `heads`: undo llama.cpp's q/k row
+    permutation (hardy.formats.names.unpermute_qk) on the way."""
+    if heads:
+        from hardy.formats.names import unpermute_qk
+
+        order = unpermute_qk(torch.arange(int(np.prod([int(d) for d in t.shape[1:]]))), heads)
+    else:
+        order = None
+    fast = _converted_in_cpp(t, order)
+    if fast is not None:
+        return fast
+    q = _packed_in_file_order(t)
+    return q.map_rows(lambda x: x[order]) if order is not None else q
+
+
+def _packed_in_file_order(t) -> PackedQuant:
     name = t.tensor_type.name
     if name == "Q4_0":
         return _q4_legacy(t, with_min=False)
@@ -151,8 +210,12 @@ def check_unpacks(q: PackedQuant, where: str) -> None:
     """Shapes agree with the spec (what QuantTensor.from_packed checks, without unpacking 8-bit)."""
     rows, cols = q.shape
     groups = q.spec.groups(cols)
-    want = (rows, cols // 2) if q.spec.bits == 4 else (rows, cols)
-    if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != (rows, groups):
+    if q.tiled:
+        padded = -(-rows // 8) * 8
+        want, want_scales = (padded, cols // 2), (padded // 8, groups, 8)
+    else:
+        want, want_scales = ((rows, cols // 2) if q.spec.bits == 4 else (rows, cols)), (rows, groups)
+    if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != want_scales:
         raise HardyError(f"{where}: quantized tensors do not match {q.spec.to_dict()} for shape {q.shape}")
 
 

@@ -175,11 +175,15 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
 
 def quantized_model(cfg, state, quantized, tokenizer, source: str, dtype: torch.dtype,
                     device: str | torch.device) -> LoadedModel:
-    """Quantized modules swapped in on the meta device, float tensors loaded in place, kernels attached."""
+    """Quantized modules swapped in on the meta device, float tensors loaded in place, kernels attached.
+    Consumes `state` and `quantized` (emptied): the kernels' re-layout must not find the stored layout
+    still referenced, or the weights would be held twice."""
     from hardy.compress.kernels import prepare
     from hardy.compress.store import model_from_compressed
 
     model = model_from_compressed(cfg, state, quantized, source).to(device=device)
+    state.clear()
+    quantized.clear()
     for p in model.parameters():  # float parameters only: codes and fp16 scales stay as stored
         p.data = p.data.to(dtype)
     prepare(model)  # the fused int8/int4 CPU decode kernels (HARDY_NO_KERNELS=1 or CUDA: the PyTorch path)

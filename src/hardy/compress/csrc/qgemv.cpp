@@ -10,6 +10,8 @@
 #include "qgemv.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -404,6 +406,137 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
     }
   }
   return out;
+}
+
+// Rows [begin, begin + out.size(0)) of an int8 or tiled int4 matrix, dequantized into `out` (fp32 or
+// bf16, contiguous [rows, K]) in one pass: prefill multiplies many tokens by a slab of the weights
+// at a time, so neither the whole float matrix nor the unpacked codes are ever materialized.
+void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group, int64_t begin,
+                   at::Tensor out) {
+  check_on_cpu({qweight, scales, mins, out}, "a prefill dequantization");
+  const bool int4 = qweight.scalar_type() == at::kByte, bf16 = out.scalar_type() == at::kBFloat16;
+  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = out.size(0), nb = K / QK;
+  const int64_t G = scales.size(1), N = qweight.size(0);  // int4: rows padded to whole tiles
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+              out.is_contiguous() && out.dim() == 2 && out.size(1) == K && (bf16 || out.scalar_type() == at::kFloat) &&
+              begin >= 0 && begin + n <= N && K % QK == 0 && group % QK == 0 &&
+              (!int4 || (mins.sizes() == scales.sizes() && scales.dim() == 3)),
+              "dequant_range: int8 codes or tiled int4, rows in range, a contiguous fp32/bf16 [rows, K] output");
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* M = int4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
+  const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
+  float* F = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* B = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> row(K);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t r = begin + i;
+      float* y = row.data();
+      if (int4) {
+        const uint8_t* w = W4 + (r / 8) * 4 * K;
+        const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t g = b * QK / group;
+          const float s = half_to_float(S[base + g * 8]), m = half_to_float(M[base + g * 8]);
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = w[b * 128 + 32 * c + 4 * lane + j];
+              y[b * QK + 4 * c + j] = (float)(byte & 0x0f) * s + m;
+              y[b * QK + 16 + 4 * c + j] = (float)(byte >> 4) * s + m;
+            }
+        }
+      } else {
+        const int8_t* w = W8 + r * K;
+        for (int64_t k = 0; k < K; ++k) y[k] = (float)w[k] * half_to_float(S[r * G + k / group]);
+      }
+      if (bf16) {
+        for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
+      } else {
+        std::memcpy(F + i * K, y, K * sizeof(float));
+      }
+    }
+  });
+}
+
+// GGUF Q4_0 / Q4_1 blocks (fp16 d [, fp16 m], 16 bytes of nibbles; `blocks` [rows, row bytes]) straight
+// into the kernel's tiled int4 layout (tile_q4 of hardy's stored layout, which is Q4_1's), output row
+// i taken from source row order[i] (the q/k unpermutation) — one pass over the file's bytes instead
+// of unpacking, re-laying and tiling in several. Q4_0's (q - 8)·d becomes min = -8·d (exact in fp16).
+std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order) {
+  check_on_cpu({blocks, order}, "a GGUF conversion");
+  const int64_t B = has_min ? 20 : 18, rows = blocks.size(0);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) % B == 0 && order.scalar_type() == at::kLong && order.numel() == rows,
+              "q4_gguf_to_tiled: contiguous uint8 [rows, blocks x bytes] and one int64 source row per row");
+  const int64_t nb = blocks.size(1) / B, K = nb * QK, tiles = (rows + 7) / 8;
+  auto q = at::empty({tiles * 8, K / 2}, at::kByte);
+  auto scales = at::empty({tiles, nb, 8}, at::kHalf);
+  auto mins = at::empty({tiles, nb, 8}, at::kHalf);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  const int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
+  uint8_t* Q = q.data_ptr<uint8_t>();
+  uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  uint16_t* M = reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>());
+  // tile by tile, so every write is sequential: block b of the tile gathers its 8 rows' bytes
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t tile = lo; tile < hi; ++tile) {
+      const uint8_t* row[8];
+      const int64_t valid = std::min<int64_t>(8, rows - tile * 8);
+      for (int64_t lane = 0; lane < 8; ++lane) row[lane] = lane < valid ? src + ord[tile * 8 + lane] * nb * B : nullptr;
+      uint8_t* out = Q + tile * 4 * K;
+      for (int64_t b = 0; b < nb; ++b, out += 128) {
+        uint16_t* s = S + (tile * nb + b) * 8;
+        uint16_t* m = M + (tile * nb + b) * 8;
+        for (int64_t lane = 0; lane < 8; ++lane) {
+          if (!row[lane]) {  // padding rows of the last tile: zero weights, scales and mins
+            for (int c = 0; c < 4; ++c) std::memset(out + 32 * c + 4 * lane, 0, 4);
+            s[lane] = m[lane] = 0;
+            continue;
+          }
+          const uint8_t* blk = row[lane] + b * B;
+          std::memcpy(s + lane, blk, 2);
+          if (has_min) {
+            std::memcpy(m + lane, blk + 2, 2);
+          } else {
+            const at::Half neg = at::Half(-8.f * half_to_float(s[lane]));
+            std::memcpy(m + lane, &neg, 2);
+          }
+          const uint8_t* qs = blk + (has_min ? 4 : 2);
+          for (int c = 0; c < 4; ++c) std::memcpy(out + 32 * c + 4 * lane, qs + 4 * c, 4);
+        }
+      }
+    }
+  });
+  return {q, scales, mins};
+}
+
+// GGUF Q8_0 blocks (fp16 d, 32 int8) into hardy's int8 layout: codes [rows, K], fp16 scales [rows, K/32].
+std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order) {
+  check_on_cpu({blocks, order}, "a GGUF conversion");
+  const int64_t rows = blocks.size(0);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) % 34 == 0 && order.scalar_type() == at::kLong && order.numel() == rows,
+              "q8_gguf_split: contiguous uint8 [rows, blocks x 34] and one int64 source row per row");
+  const int64_t nb = blocks.size(1) / 34, K = nb * QK;
+  auto codes = at::empty({rows, K}, at::kChar);
+  auto scales = at::empty({rows, nb}, at::kHalf);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  const int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
+  int8_t* C = codes.data_ptr<int8_t>();
+  at::Half* S = scales.data_ptr<at::Half>();
+  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* row = src + ord[i] * nb * 34;
+      for (int64_t b = 0; b < nb; ++b) {
+        std::memcpy(S + i * nb + b, row + b * 34, 2);
+        std::memcpy(C + i * K + b * QK, row + b * 34 + 2, QK);
+      }
+    }
+  });
+  return {codes, scales};
 }
 
 bool built_with_avx2() {
