@@ -197,3 +197,31 @@ def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
     qlinear.set_prefill_dtype(layer, torch.bfloat16)
     fast = layer(x)
     assert fast.dtype == torch.float32 and 0 < (fast - exact).norm() / exact.norm() < 1e-2
+
+
+def test_q6_k_in_cpp_equals_the_numpy_requantization():
+    from hardy.compress import kernels
+    from hardy.formats.gguf_quant import _requantized
+
+    if kernels.load() is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    qtype = gguf.GGMLQuantizationType.Q6_K
+    t = _fake_tensor(qtype, 5, _random_blocks(qtype, 5, 768, (208,), seed=3))
+    fast, slow = packed_from_gguf(t), _requantized(t)
+    assert fast.spec == slow.spec == INT8_G32
+    assert torch.equal(fast.parts["qweight"], slow.parts["qweight"])
+    assert torch.equal(fast.parts["scales"], slow.parts["scales"])
+
+
+def test_q4_k_in_cpp_equals_the_numpy_conversion():
+    from hardy.compress import kernels
+    from hardy.formats.gguf_quant import _q4_k
+
+    if kernels.load() is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    qtype = gguf.GGMLQuantizationType.Q4_K
+    t = _fake_tensor(qtype, 11, _random_blocks(qtype, 11, 512, (0, 2), seed=4))  # 11 rows: a partial tile
+    fast, slow = packed_from_gguf(t), _q4_k(t)
+    assert fast.tiled and not slow.tiled
+    for name in ("qweight", "scales", "mins"):
+        assert torch.equal(fast.stored()[name], slow.parts[name]), name

@@ -161,15 +161,23 @@ def _converted_in_cpp(t, order: torch.Tensor | None) -> PackedQuant | None:
     """Q4_0/Q4_1 straight into the tiled layout, Q8_0 into codes + scales, rows reordered on the way,
     by the kernels extension (one pass); None where it is not built (then the numpy path)."""
     name = t.tensor_type.name
-    module = _kernels() if name in ("Q4_0", "Q4_1", "Q8_0") else None
+    module = _kernels() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else None
     if module is None:
         return None
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
-    blocks, rows, cols = _blocks(t, 32, block_bytes)
+    values, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
+                           "Q6_K": (256, 210)}[name]
+    blocks, rows, cols = _blocks(t, values, block_bytes)
     with warnings.catch_warnings():  # a read-only view of the mapped file: read, never written
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(blocks.reshape(rows, -1))
+    if name == "Q6_K":  # re-quantized to int8 g32 (the table above), rows reordered after
+        codes, scales = module.q6k_to_int8(raw)
+        q = PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols))
+        return q.map_rows(lambda x: x[order]) if order is not None else q
     order = torch.arange(rows) if order is None else order
+    if name == "Q4_K":
+        q, scales, mins = module.q4k_to_tiled(raw, order)
+        return PackedQuant({"qweight": q, "scales": scales, "mins": mins}, INT4_G32, (rows, cols), tiled=True)
     if name == "Q8_0":
         codes, scales = module.q8_gguf_split(raw, order)
         return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols))

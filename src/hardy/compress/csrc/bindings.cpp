@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &DecodeStack::operator(), "x, positions, cos, sin, K caches, V caches -> x after every block");
   m.def("q4_gguf_to_tiled", &q4_gguf_to_tiled, "GGUF Q4_0/Q4_1 blocks -> tiled int4 (qweight, scales, mins)");
   m.def("q8_gguf_split", &q8_gguf_split, "GGUF Q8_0 blocks -> int8 codes and fp16 scales");
+  m.def("q6k_to_int8", &q6k_to_int8, "GGUF Q6_K blocks -> int8 g32 codes and fp16 scales (RTN)");
+  m.def("q4k_to_tiled", &q4k_to_tiled, "GGUF Q4_K blocks -> tiled int4 g32 (qweight, scales, mins)");
   m.def("has_vnni", &built_with_vnni);
   m.def("has_avx2", &built_with_avx2);
 }

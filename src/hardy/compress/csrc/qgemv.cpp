@@ -539,6 +539,123 @@ std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order) {
   return {codes, scales};
 }
 
+// GGUF Q6_K super-blocks (ql[128], qh[64], int8 scales[16], fp16 d; 256 values each) into hardy's
+// int8 g32: values d·sc·(q − 32) as llama.cpp's dequantize_row_q6_K computes them (fp32), then
+// round-to-nearest on the symmetric int8 grid per 32 values with rtn's arithmetic (scale =
+// fp16(max|v| / 127), code = round-half-even(v / scale)), so the result equals the Python path.
+std::vector<at::Tensor> q6k_to_int8(at::Tensor blocks) {
+  check_on_cpu({blocks}, "a GGUF conversion");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) % 210 == 0, "q6k_to_int8: contiguous uint8 [rows, super-blocks x 210]");
+  const int64_t rows = blocks.size(0), nb = blocks.size(1) / 210, K = nb * 256;
+  auto codes = at::empty({rows, K}, at::kChar);
+  auto scales = at::empty({rows, K / QK}, at::kHalf);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  int8_t* C = codes.data_ptr<int8_t>();
+  at::Half* S = scales.data_ptr<at::Half>();
+  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
+    float y[256];
+    for (int64_t r = lo; r < hi; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = src + (r * nb + b) * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        uint16_t dh;
+        std::memcpy(&dh, blk + 208, 2);
+        const float d = half_to_float(dh);
+        for (int n = 0; n < 2; ++n) {  // two halves of 128 values
+          float* out = y + 128 * n;
+          const uint8_t* l = ql + 64 * n;
+          const uint8_t* h = qh + 32 * n;
+          const int8_t* s = sc + 8 * n;
+          for (int i = 0; i < 32; ++i) {
+            const int is = i / 16;
+            const int q1 = (int)((l[i] & 0xF) | (((h[i] >> 0) & 3) << 4)) - 32;
+            const int q2 = (int)((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32;
+            const int q3 = (int)((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
+            const int q4 = (int)((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
+            out[i] = d * s[is + 0] * q1;
+            out[i + 32] = d * s[is + 2] * q2;
+            out[i + 64] = d * s[is + 4] * q3;
+            out[i + 96] = d * s[is + 6] * q4;
+          }
+        }
+        for (int g = 0; g < 256 / QK; ++g) {
+          const float* v = y + g * QK;
+          float amax = 0.f;
+          for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+          const at::Half sh = at::Half(amax / 127.f);
+          float scale = (float)sh;
+          if (scale == 0.f) scale = 1.f;
+          S[r * (K / QK) + b * 8 + g] = at::Half(scale);
+          int8_t* c = C + r * K + b * 256 + g * QK;
+          for (int i = 0; i < QK; ++i)
+            c[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / scale)));
+        }
+      }
+    }
+  });
+  return {codes, scales};
+}
+
+// GGUF Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of
+// nibbles; 256 values) into the tiled int4 g32 layout, output row i from source row order[i]: the
+// codes unchanged (re-paired into hardy's nibble order), each sub-block's scale d·sc and min
+// −dmin·m computed in fp32 as llama.cpp does and rounded to fp16 (as the numpy path rounds them).
+std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
+  check_on_cpu({blocks, order}, "a GGUF conversion");
+  const int64_t rows = blocks.size(0);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) % 144 == 0 && order.scalar_type() == at::kLong && order.numel() == rows,
+              "q4k_to_tiled: contiguous uint8 [rows, super-blocks x 144] and one int64 source row per row");
+  const int64_t nsb = blocks.size(1) / 144, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
+  auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
+  auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
+  auto mins = at::zeros({tiles, nb, 8}, at::kHalf);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  const int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
+  uint8_t* Q = q.data_ptr<uint8_t>();
+  at::Half* S = scales.data_ptr<at::Half>();
+  at::Half* M = mins.data_ptr<at::Half>();
+  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t tile = i / 8, lane = i % 8;
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t* blk = src + (ord[i] * nsb + sb) * 144;
+        uint16_t dh, mh;
+        std::memcpy(&dh, blk, 2);
+        std::memcpy(&mh, blk + 2, 2);
+        const float d = half_to_float(dh), dmin = half_to_float(mh);
+        const uint8_t* sc = blk + 4;
+        const uint8_t* qs = blk + 16;
+        for (int j = 0; j < 8; ++j) {
+          int scale, mn;
+          if (j < 4) {
+            scale = sc[j] & 63;
+            mn = sc[j + 4] & 63;
+          } else {
+            scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+            mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          }
+          const int64_t g = sb * 8 + j;
+          S[(tile * nb + g) * 8 + lane] = at::Half(d * (float)scale);
+          M[(tile * nb + g) * 8 + lane] = at::Half(-(dmin * (float)mn));
+          const uint8_t* chunk = qs + 32 * (j / 2);
+          uint8_t stored[16];
+          for (int b = 0; b < 16; ++b)
+            stored[b] = (j % 2 == 0) ? (uint8_t)((chunk[b] & 0x0F) | ((chunk[b + 16] & 0x0F) << 4))
+                                     : (uint8_t)((chunk[b] >> 4) | (chunk[b + 16] & 0xF0));
+          uint8_t* out = Q + tile * 4 * K + g * 128 + 4 * lane;
+          for (int c = 0; c < 4; ++c) std::memcpy(out + 32 * c, stored + 4 * c, 4);
+        }
+      }
+    }
+  });
+  return {q, scales, mins};
+}
+
 bool built_with_avx2() {
 #ifdef HARDY_AVX2
   return true;
