@@ -368,6 +368,30 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
   return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
 }
 
+// Row r of an int8 or tiled int4 matrix as float: code * scale (+ min), as QuantTensor does. The
+// group width is a multiple of 32, so the 32 values of a block share one scale (and min).
+static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, const uint16_t* M, int64_t K, int64_t G,
+                 int64_t group, int64_t r, float* y) {
+  const int64_t nb = K / QK;
+  if (W4) {
+    const uint8_t* w = W4 + (r / 8) * 4 * K;
+    const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t g = b * QK / group;
+      const float s = half_to_float(S[base + g * 8]), m = half_to_float(M[base + g * 8]);
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t byte = w[b * 128 + 32 * c + 4 * lane + j];
+          y[b * QK + 4 * c + j] = (float)(byte & 0x0f) * s + m;
+          y[b * QK + 16 + 4 * c + j] = (float)(byte >> 4) * s + m;
+        }
+    }
+  } else {
+    const int8_t* w = W8 + r * K;
+    for (int64_t k = 0; k < K; ++k) y[k] = (float)w[k] * half_to_float(S[r * G + k / group]);
+  }
+}
+
 // Some rows of a quantized matrix, dequantized to float [n, K]: embedding lookups (the tied table
 // is the LM head's, so int4 arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
 at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
@@ -376,34 +400,20 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && qweight.is_contiguous() &&
               scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int64 row ids, contiguous tables");
   const bool int4 = qweight.scalar_type() == at::kByte;
-  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0), nb = K / QK;
+  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0);
   const int64_t G = scales.size(1), N = qweight.size(0);
   TORCH_CHECK(K % QK == 0 && group % QK == 0 && (!int4 || (mins.sizes() == scales.sizes() && scales.dim() == 3)),
               "dequant_rows: int8 codes or tiled int4");
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* M = int4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
+  const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* Y = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = R[i];
-    TORCH_CHECK(r >= 0 && r < N, "row id out of range");
-    float* y = Y + i * K;
-    if (int4) {
-      const uint8_t* W = qweight.data_ptr<uint8_t>() + (r / 8) * 4 * K;
-      const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
-      const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
-      for (int64_t b = 0; b < nb; ++b)
-        for (int c = 0; c < 4; ++c)
-          for (int j = 0; j < 4; ++j) {
-            const uint8_t byte = W[b * 128 + 32 * c + 4 * lane + j];
-            const int64_t k = b * QK + 4 * c + j, g0 = k / group, g1 = (k + 16) / group;
-            y[k] = (float)(byte & 0x0f) * half_to_float(S[base + g0 * 8]) + half_to_float(M[base + g0 * 8]);
-            y[k + 16] = (float)(byte >> 4) * half_to_float(S[base + g1 * 8]) + half_to_float(M[base + g1 * 8]);
-          }
-    } else {
-      const int8_t* W = qweight.data_ptr<int8_t>() + r * K;
-      for (int64_t k = 0; k < K; ++k) y[k] = (float)W[k] * half_to_float(S[r * G + k / group]);
-    }
+    TORCH_CHECK(R[i] >= 0 && R[i] < N, "row id out of range");
+    dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K);
   }
   return out;
 }
@@ -415,7 +425,7 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
                    at::Tensor out) {
   check_on_cpu({qweight, scales, mins, out}, "a prefill dequantization");
   const bool int4 = qweight.scalar_type() == at::kByte, bf16 = out.scalar_type() == at::kBFloat16;
-  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = out.size(0), nb = K / QK;
+  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = out.size(0);
   const int64_t G = scales.size(1), N = qweight.size(0);  // int4: rows padded to whole tiles
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
               out.is_contiguous() && out.dim() == 2 && out.size(1) == K && (bf16 || out.scalar_type() == at::kFloat) &&
@@ -429,34 +439,25 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   float* F = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* B = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<float> row(K);
+    std::vector<float> row(bf16 ? K : 0);
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t r = begin + i;
-      float* y = row.data();
-      if (int4) {
-        const uint8_t* w = W4 + (r / 8) * 4 * K;
-        const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
-        for (int64_t b = 0; b < nb; ++b) {
-          const int64_t g = b * QK / group;
-          const float s = half_to_float(S[base + g * 8]), m = half_to_float(M[base + g * 8]);
-          for (int c = 0; c < 4; ++c)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t byte = w[b * 128 + 32 * c + 4 * lane + j];
-              y[b * QK + 4 * c + j] = (float)(byte & 0x0f) * s + m;
-              y[b * QK + 16 + 4 * c + j] = (float)(byte >> 4) * s + m;
-            }
-        }
-      } else {
-        const int8_t* w = W8 + r * K;
-        for (int64_t k = 0; k < K; ++k) y[k] = (float)w[k] * half_to_float(S[r * G + k / group]);
-      }
-      if (bf16) {
+      float* y = bf16 ? row.data() : F + i * K;
+      dequant_row(W4, W8, S, M, K, G, group, begin + i, y);
+      if (bf16)
         for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
-      } else {
-        std::memcpy(F + i * K, y, K * sizeof(float));
-      }
     }
   });
+}
+
+// The GGUF converters' shared pieces: every output row names a source row that exists, and one
+// row's 16 bytes of a 32-value block (hardy's stored order) go to their places in the tile's 128.
+static void check_source_rows(const at::Tensor& order, int64_t rows) {
+  const int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
+}
+
+static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* bytes) {
+  for (int c = 0; c < 4; ++c) std::memcpy(tile_block + 32 * c + 4 * lane, bytes + 4 * c, 4);
 }
 
 // GGUF Q4_0 / Q4_1 blocks (fp16 d [, fp16 m], 16 bytes of nibbles; `blocks` [rows, row bytes]) straight
@@ -474,8 +475,8 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
   auto scales = at::empty({tiles, nb, 8}, at::kHalf);
   auto mins = at::empty({tiles, nb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
+  check_source_rows(order, rows);
   const int64_t* ord = order.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
   uint8_t* Q = q.data_ptr<uint8_t>();
   uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   uint16_t* M = reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>());
@@ -503,8 +504,7 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
             const at::Half neg = at::Half(-8.f * half_to_float(s[lane]));
             std::memcpy(m + lane, &neg, 2);
           }
-          const uint8_t* qs = blk + (has_min ? 4 : 2);
-          for (int c = 0; c < 4; ++c) std::memcpy(out + 32 * c + 4 * lane, qs + 4 * c, 4);
+          put_tiled(out, lane, blk + (has_min ? 4 : 2));
         }
       }
     }
@@ -523,8 +523,8 @@ std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order) {
   auto codes = at::empty({rows, K}, at::kChar);
   auto scales = at::empty({rows, nb}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
+  check_source_rows(order, rows);
   const int64_t* ord = order.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
   int8_t* C = codes.data_ptr<int8_t>();
   at::Half* S = scales.data_ptr<at::Half>();
   at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
@@ -614,8 +614,8 @@ std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
   auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
   auto mins = at::zeros({tiles, nb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
+  check_source_rows(order, rows);
   const int64_t* ord = order.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
   uint8_t* Q = q.data_ptr<uint8_t>();
   at::Half* S = scales.data_ptr<at::Half>();
   at::Half* M = mins.data_ptr<at::Half>();
@@ -647,8 +647,7 @@ std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
           for (int b = 0; b < 16; ++b)
             stored[b] = (j % 2 == 0) ? (uint8_t)((chunk[b] & 0x0F) | ((chunk[b + 16] & 0x0F) << 4))
                                      : (uint8_t)((chunk[b] >> 4) | (chunk[b + 16] & 0xF0));
-          uint8_t* out = Q + tile * 4 * K + g * 128 + 4 * lane;
-          for (int c = 0; c < 4; ++c) std::memcpy(out + 32 * c, stored + 4 * c, 4);
+          put_tiled(Q + tile * 4 * K + g * 128, lane, stored);
         }
       }
     }
