@@ -6,6 +6,7 @@ row permutation is undone so the weights match the Hugging Face layout hardy's R
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -21,7 +22,19 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 def open_gguf(path: str | os.PathLike):
     """The file's header parsed (`hardy.formats.gguf_reader`); tensors are views of its memory map.
-    Damaged or truncated files end in a one-line HardyError."""
+    Damaged or truncated files end in a one-line HardyError. One command opens a file several times
+    (device choice, config, TP check, load): the parse is kept for the file as it is on disk now."""
+    from hardy.formats.gguf_reader import GGUFFile
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return GGUFFile(path)  # its own one-line error
+    return _open_cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, size: int, mtime_ns: int):
     from hardy.formats.gguf_reader import GGUFFile
 
     return GGUFFile(path)
