@@ -2,7 +2,9 @@
 with random weights is written straight to GGUF, tensor by tensor (never the whole model in memory),
 then run by hardy (native quantized load) and llama.cpp (llama-cpp-python) on the same file, in
 alternating subprocesses: load time, time to first token for a 512-token prompt, decode tokens/s at
-batch 1, peak RSS, and decode's share of this machine's measured DRAM read bandwidth.
+batch 1 and at batch `--batch` (8 sequences of a 64-token prompt decoding together, as a server runs
+them: hardy's serving step — fused blocks + LM head — and llama.cpp's llama_decode on one 8-sequence
+batch), peak RSS, and decode's share of this machine's measured DRAM read bandwidth.
 
     .venv/bin/python bench/big_cpu_model.py --shape llama3.1-8b --type Q4_0 --dir /tmp/big --threads 2
 
@@ -28,6 +30,8 @@ SHAPES = {"llama3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, f
                               rope_theta=500000.0),
           "13b-class": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, vocab=49152,
                             rope_theta=10000.0),
+          "8b-3layers": dict(dim=4096, n_layers=3, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab=128256,
+                             rope_theta=500000.0),  # the 8B shape's widths, for quick memory checks
           "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=49152, rope_theta=10000.0)}
 
 
@@ -141,7 +145,70 @@ def vm_hwm() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 
 
-def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: int) -> dict:
+BATCH_PROMPT = 64  # tokens per sequence before the batched decode
+
+
+def hardy_batch_decode(model, batch: int, steps: int) -> float:
+    """Aggregate tokens/s of `steps` decode steps over `batch` sequences (what `hardy serve` runs)."""
+    import torch
+
+    from hardy.infer.fused_decode import decode_hidden
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(1000, 40000, (batch, BATCH_PROMPT), generator=gen)
+    tokens = torch.randint(1000, 40000, (steps, batch, 1), generator=gen)
+    model.setup_kv_cache(batch, BATCH_PROMPT + steps + 8)
+    try:
+        with torch.inference_mode():
+            model.hidden_states(prompts, 0)
+            positions = torch.full((batch,), BATCH_PROMPT, dtype=torch.long)
+            model.output(decode_hidden(model, tokens[0], positions)[:, -1])  # warm-up step
+            t0 = time.perf_counter()
+            for step in range(1, steps):
+                model.output(decode_hidden(model, tokens[step], positions + step)[:, -1])
+            return batch * (steps - 1) / (time.perf_counter() - t0)
+    finally:
+        model.clear_kv_cache()
+
+
+def llama_batch_decode(path: Path, threads: int, batch: int, steps: int) -> float:
+    """The same through llama.cpp's C API: one llama_decode per step over `batch` sequences."""
+    import llama_cpp as lc
+
+    lc.llama_backend_init()
+    mparams = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = batch * (BATCH_PROMPT + steps + 8)
+    cparams.n_batch = cparams.n_ubatch = batch * BATCH_PROMPT
+    cparams.n_seq_max = batch
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cparams)
+    b = lc.llama_batch_init(batch * BATCH_PROMPT, 0, batch)
+    rng = np.random.default_rng(2)
+
+    def submit(rows: list[tuple[int, int, int, bool]]) -> None:
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(rows)
+        if lc.llama_decode(ctx, b):
+            raise SystemExit("llama_decode failed")
+
+    submit([(int(rng.integers(1000, 40000)), p, s, p == BATCH_PROMPT - 1)
+            for s in range(batch) for p in range(BATCH_PROMPT)])
+    submit([(int(rng.integers(1000, 40000)), BATCH_PROMPT, s, True) for s in range(batch)])  # warm-up step
+    t0 = time.perf_counter()
+    for step in range(1, steps):
+        submit([(int(rng.integers(1000, 40000)), BATCH_PROMPT + step, s, True) for s in range(batch)])
+    tps = batch * (steps - 1) / (time.perf_counter() - t0)
+    lc.llama_batch_free(b)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return tps
+
+
+def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: int, batch: int) -> dict:
     rng = np.random.default_rng(1)
     prompt = rng.integers(1000, 40000, prompt_len).tolist()
     if engine == "hardy":
@@ -157,6 +224,8 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
         use_fast_prefill(m)  # what hardy generate / serve do
         g = generate(m.model, prompt, SamplingConfig(max_new_tokens=new_tokens))
         ttft, decode_tps = g.stats.prefill_s, g.stats.decode_tps
+        peak = vm_hwm()  # serving one request: before the batched run adds its caches
+        batch_tps = hardy_batch_decode(m.model, batch, new_tokens // 2) if batch > 1 else float("nan")
     else:
         import llama_cpp
 
@@ -170,7 +239,12 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
         perf = llama_cpp.llama_perf_context(llm.ctx)  # llama.cpp's own timers (no Python in them)
         ttft = perf.t_p_eval_ms / 1e3
         decode_tps = perf.n_eval / (perf.t_eval_ms / 1e3)
-    return {"engine": engine, "load_s": load_s, "ttft_s": ttft, "decode_tps": decode_tps, "peak_rss": vm_hwm()}
+        peak = vm_hwm()
+        llm.close()  # the batched run maps (and llama.cpp repacks) the weights again
+        del llm
+        batch_tps = llama_batch_decode(path, threads, batch, new_tokens // 2) if batch > 1 else float("nan")
+    return {"engine": engine, "load_s": load_s, "ttft_s": ttft, "decode_tps": decode_tps, "batch_tps": batch_tps,
+            "peak_rss": peak}
 
 
 def main() -> None:
@@ -182,12 +256,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="sequences in the batched-decode run (1: none)")
     ap.add_argument("--engines", default="hardy,llama")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     path = Path(args.dir) / f"{args.shape}.{args.type}.gguf"
     if args.worker:
-        print(json.dumps(worker(args.worker, path, args.threads, args.prompt, args.new_tokens)))
+        print(json.dumps(worker(args.worker, path, args.threads, args.prompt, args.new_tokens, args.batch)))
         return
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +277,7 @@ def main() -> None:
         for engine in args.engines.split(","):
             cmd = [sys.executable, __file__, "--worker", engine, "--shape", args.shape, "--type", args.type,
                    "--dir", args.dir, "--threads", str(args.threads), "--prompt", str(args.prompt),
-                   "--new-tokens", str(args.new_tokens)]
+                   "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stderr[-3000:], file=sys.stderr)
@@ -210,16 +285,19 @@ def main() -> None:
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             runs.setdefault(engine, []).append(r)
             print(f"  {engine:6} load {r['load_s']:6.1f} s  ttft({args.prompt}) {r['ttft_s']:6.1f} s  "
-                  f"decode {r['decode_tps']:5.2f} tok/s  peak RSS {r['peak_rss'] / 1e9:5.2f} GB", flush=True)
-    med = {e: {k: statistics.median(r[k] for r in rs) for k in ("load_s", "ttft_s", "decode_tps", "peak_rss")}
-           for e, rs in runs.items()}
-    print(f"\n{'engine':8} {'load s':>7} {'TTFT s':>7} {'decode tok/s':>12} {'of DRAM bw':>10} {'peak RSS':>9}")
+                  f"decode {r['decode_tps']:5.2f} tok/s  batch {args.batch} {r['batch_tps']:5.2f} tok/s  "
+                  f"peak RSS {r['peak_rss'] / 1e9:5.2f} GB", flush=True)
+    keys = ("load_s", "ttft_s", "decode_tps", "batch_tps", "peak_rss")
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in keys} for e, rs in runs.items()}
+    print(f"\n{'engine':8} {'load s':>7} {'TTFT s':>7} {'decode tok/s':>12} {'of DRAM bw':>10} "
+          f"{'batch ' + str(args.batch) + ' tok/s':>14} {'peak RSS':>9}")
     for e, m in med.items():
         print(f"{e:8} {m['load_s']:7.1f} {m['ttft_s']:7.1f} {m['decode_tps']:12.2f} "
-              f"{m['decode_tps'] * size / bandwidth:9.0%} {m['peak_rss'] / 1e9:7.2f} GB")
+              f"{m['decode_tps'] * size / bandwidth:9.0%} {m['batch_tps']:14.2f} {m['peak_rss'] / 1e9:7.2f} GB")
     if "hardy" in med and "llama" in med:
         h, l = med["hardy"], med["llama"]
-        print(f"hardy / llama.cpp: decode {h['decode_tps'] / l['decode_tps']:.2f}x, prefill "
+        print(f"hardy / llama.cpp: decode {h['decode_tps'] / l['decode_tps']:.2f}x, batch {args.batch} "
+              f"{h['batch_tps'] / l['batch_tps']:.2f}x, prefill "
               f"{l['ttft_s'] / h['ttft_s']:.2f}x, load time {h['load_s'] / l['load_s']:.2f}x, "
               f"peak RSS {h['peak_rss'] / l['peak_rss']:.2f}x (file {size / 1e9:.2f} GB)")
 

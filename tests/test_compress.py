@@ -28,7 +28,10 @@ def _out_err(x, w, x_hat, w_hat):
 
 # ------------------------------------------------------------------ formats
 
-@pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128)])
+GRIDS = [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128),
+         QuantSpec(4, 32, True), QuantSpec(4, 128, True), QuantSpec(3, 128, True)]  # the last three: Q4_0's grid
+
+@pytest.mark.parametrize("spec", GRIDS)
 def test_rtn_round_trips_through_its_stored_form(spec):
     w = torch.randn(64, 256) * 0.02
     q = rtn(w, spec)
@@ -41,7 +44,7 @@ def test_rtn_round_trips_through_its_stored_form(spec):
     assert q.stored_bits() == pytest.approx(spec.bits + 16 * (1 if spec.symmetric else 2) / (spec.group_size or 256))
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(8, 0), QuantSpec(8, 32), QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128)])
+@pytest.mark.parametrize("spec", GRIDS)
 def test_fake_quantize_is_rtn_then_dequantize_bit_for_bit(spec):
     """AWQ's searches score candidates with fake_quantize: it must be exactly what rtn stores (576
     columns: a narrower last group at 128)."""
@@ -89,6 +92,29 @@ def test_int4_g32_and_int8_g32_are_gguf_q4_1_and_q8_0_exactly():
     assert np.array_equal(ref, rtn(w, QuantSpec(8, 32)).dequantize().numpy())
 
 
+def test_symmetric_int4_g32_is_gguf_q4_0_exactly():
+    """No mins: the fp16 scale and the nibbles are a Q4_0 block, dequantized as (q − 8)·d; the group's
+    largest-magnitude weight lands on code 0 exactly (llama.cpp's rule), and zero weights stay zero."""
+    gguf = pytest.importorskip("gguf")
+    w = torch.randn(8, 128) * 0.05
+    w[:, 40:50] = 0
+    q = rtn(w, QuantSpec(4, 32, True))
+    p = q.packed()
+    assert set(p) == {"qweight", "scales"} and q.stored_bits() == 4.5
+    blocks = np.concatenate([p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["qweight"].reshape(-1, 16).numpy()],
+                            axis=1).reshape(8, -1)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(ref, q.dequantize().numpy())
+    extreme = w.view(8, 4, 32).abs().argmax(-1)
+    assert (q.codes.view(8, 4, 32).gather(-1, extreme[..., None]) == 0).all()
+    assert (q.dequantize()[:, 40:50] == 0).all()
+    # what llama.cpp's own Q4_0 quantizer makes of the same weights: the same scales, codes within one step
+    theirs = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(8, 4, 18)
+    assert np.array_equal(theirs[..., :2].copy().view(np.float16)[..., 0], p["scales"].numpy())
+    their_codes = torch.from_numpy(np.ascontiguousarray(theirs[..., 2:]).reshape(8, 64))
+    assert (unpack_int4(their_codes).int() - q.codes.int()).abs().max() <= 1
+
+
 def test_bad_specs_are_readable_errors():
     with pytest.raises(HardyError, match="bits"):
         QuantSpec(5, 32)
@@ -102,7 +128,8 @@ def test_bad_specs_are_readable_errors():
 
 # ------------------------------------------------------------------ methods on one layer
 
-@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128), QuantSpec(8, 0)])
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(3, 128), QuantSpec(8, 0),
+                                  QuantSpec(4, 32, True)])
 def test_gptq_and_awq_cut_the_layer_output_error_of_rtn(spec):
     x, w = _correlated()
     h = 2 * x.t() @ x / x.shape[0]

@@ -15,9 +15,12 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def compressed(mini_compressed):
-    """The mini model quantized to int4 g32 (= Q4_1) and int8 g32 (= Q8_0) with hardy compress."""
-    return {f"int{bits}": mini_compressed("--bits", bits, "--group-size", "32", "--quantize-embeddings")
-            for bits in ("4", "8")}
+    """The mini model quantized to int4 g32 (= Q4_1), symmetric int4 g32 (= Q4_0) and int8 g32 (= Q8_0)
+    with hardy compress."""
+    out = {f"int{bits}": mini_compressed("--bits", bits, "--group-size", "32", "--quantize-embeddings")
+           for bits in ("4", "8")}
+    out["int4sym"] = mini_compressed("--bits", "4", "--group-size", "32", "--symmetric", "--quantize-embeddings")
+    return out
 
 
 def _export(model_dir, out, qtype, as_user: bool = False) -> str:
@@ -54,7 +57,7 @@ def test_f32_export_imports_back_exactly(mini_run, tmp_path):
     assert generate(again.model, prompt, sampling).tokens == generate(original.model, prompt, sampling).tokens
 
 
-@pytest.mark.parametrize("kind,qtype", [("int4", "Q4_1"), ("int8", "Q8_0")])
+@pytest.mark.parametrize("kind,qtype", [("int4", "Q4_1"), ("int4sym", "Q4_0"), ("int8", "Q8_0")])
 def test_hardy_quantized_tensors_repack_losslessly(compressed, tmp_path, kind, qtype):
     from hardy.compress.store import load_compressed
 
@@ -66,6 +69,7 @@ def test_hardy_quantized_tensors_repack_losslessly(compressed, tmp_path, kind, q
     from hardy.formats.names import to_format
 
     for name, qt in quantized.items():
+        assert (qt.mins is None) == (kind != "int4"), name  # the symmetric grids store no mins
         t = by_name[to_format(name, "gguf")]
         assert t.tensor_type == gguf.GGMLQuantizationType[qtype], name
         values = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))

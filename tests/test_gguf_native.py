@@ -14,7 +14,7 @@ import torch
 from conftest import hardy_main, run_hardy
 from hardy.errors import HardyError
 from hardy.formats.gguf_io import load_gguf, load_gguf_quantized, open_gguf
-from hardy.formats.gguf_quant import INT4_G32, INT8_G32, packed_from_gguf
+from hardy.formats.gguf_quant import INT4_G32, INT4_SYM_G32, INT8_G32, packed_from_gguf
 from hardy.formats.load import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -44,8 +44,12 @@ def test_legacy_types_load_bit_exact_without_a_float_copy(mini_ggufs, qtype):
     assert types == {qtype: len(matrices)} and len(quantized) == len(matrices)
     assert set(quantized) | set(floats) == set(reference) and not set(quantized) & set(floats)
     for name, q in quantized.items():
-        assert q.spec == (INT8_G32 if qtype == "Q8_0" else INT4_G32)
+        assert q.spec == {"Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[qtype]
         assert torch.equal(q.dequantize(), reference[name]), name  # q/k rows unpermuted too
+    # in memory, the layers hold the file's bytes: Q4_0 keeps no mins (rows padded to whole tiles of 8)
+    held = sum(t.numel() * t.element_size() for q in quantized.values() for t in q.parts.values())
+    padded = sum(int(t.n_bytes) * (-(-int(t.shape[1]) // 8) * 8) // int(t.shape[1]) for t in matrices)
+    assert held == (padded if qtype != "Q8_0" else sum(int(t.n_bytes) for t in matrices)), (held, padded)
     for name, t in floats.items():
         assert t.ndim == 1 and torch.equal(t, reference[name]), name
 
@@ -175,6 +179,32 @@ def test_generate_runs_a_native_gguf_and_tp2_matches_one_process(mini_ggufs):
     assert dense.returncode == 0 and dense.stdout.startswith("KING:")
 
 
+@pytest.mark.parametrize("qtype", LEGACY)
+def test_tp_ranks_read_only_their_slices_and_they_make_the_whole(mini_ggufs, qtype):
+    """`--tp 2` workers load only their rows (colwise) / columns (rowwise) of every attention and MLP
+    matrix from the file: each rank holds half of those bytes, and the two halves put together are the
+    single-process model's matrices exactly (q/k rows unpermuted before slicing)."""
+    from hardy.compress.qlinear import QuantLinear
+    from hardy.parallel.parallelize import TP_PLAN
+    from hardy.parallel.quantized_tp import rank_slices
+
+    def layers(loaded) -> dict:
+        return {n: m for n, m in loaded.model.named_modules() if isinstance(m, QuantLinear) and n.startswith("layers.")}
+
+    whole = layers(load_model(str(mini_ggufs[qtype]), gguf="native"))
+    ranks = [layers(load_model(str(mini_ggufs[qtype]), gguf="native", tp_slices=rank_slices(r, 2, TP_PLAN)))
+             for r in range(2)]
+    assert set(whole) == set(ranks[0]) == set(ranks[1]) and len(whole) == 7 * 2
+    for name, full in whole.items():
+        kind = TP_PLAN[name.split(".", 2)[2]]
+        parts = [r[name] for r in ranks]
+        assert [p.tp_slice.rank for p in parts] == [0, 1] and all(p.tp_slice.kind == kind for p in parts)
+        nbytes = [sum(t.numel() * t.element_size() for t in p.stored().values()) for p in parts]
+        assert nbytes[0] == nbytes[1] == sum(t.numel() * t.element_size() for t in full.stored().values()) // 2
+        joined = torch.cat([p.dequantized_weight() for p in parts], dim=0 if kind == "colwise" else 1)
+        assert torch.equal(joined, full.dequantized_weight()), name
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
     """Many tokens: the C++ dequantization of a slab of rows at a time, one GEMM per slab, equals the
@@ -225,3 +255,67 @@ def test_q4_k_in_cpp_equals_the_numpy_conversion():
     assert fast.tiled and not slow.tiled
     for name in ("qweight", "scales", "mins"):
         assert torch.equal(fast.stored()[name], slow.parts[name]), name
+
+
+@pytest.mark.parametrize("type_name,half_offsets", [("Q4_0", (0,)), ("Q4_1", (0, 2)), ("Q8_0", (0,))])
+def test_legacy_types_in_cpp_equal_the_numpy_conversion(type_name, half_offsets):
+    """The one-pass C++ converters (rows reordered on the way) and the numpy path give the same stored
+    tensors; Q4_0 on both paths keeps no mins (the symmetric grid)."""
+    from hardy.compress import kernels
+    from hardy.formats.gguf_quant import _packed_in_file_order
+
+    if kernels.load() is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    t = _fake_tensor(qtype, 13, _random_blocks(qtype, 13, 256, half_offsets, seed=5))  # 13 rows: a partial tile
+    order = torch.randperm(13, generator=torch.Generator().manual_seed(0))
+    fast, slow = packed_from_gguf(t), _packed_in_file_order(t)
+    assert fast.spec == slow.spec and set(fast.stored()) == set(slow.parts)
+    assert ("mins" in slow.parts) == (type_name == "Q4_1")
+    for name, tensor in slow.parts.items():
+        assert torch.equal(fast.stored()[name], tensor), name
+    from hardy.formats.gguf_quant import _converted_in_cpp
+
+    moved = _converted_in_cpp(t, order)
+    for name, tensor in slow.parts.items():
+        assert torch.equal(moved.stored()[name], tensor[order]), name
+
+
+@pytest.mark.parametrize("type_name,half_offsets", [("Q4_0", (0,)), ("Q8_0", (0,)), ("Q4_K", (0, 2)),
+                                                    ("Q6_K", (208,))])
+def test_tp_slices_are_the_same_on_both_paths(type_name, half_offsets, monkeypatch):
+    """A rank's rows (q/k-unpermuted) or columns read by the C++ converters equal the numpy path's
+    slice of the whole tensor; a split inside a K-quant super-block is a one-line error."""
+    from hardy.compress import kernels
+    from hardy.formats import gguf_quant
+    from hardy.formats.gguf_quant import TPSlice
+
+    if kernels.load() is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    qtype = gguf.GGMLQuantizationType[type_name]
+    t = _fake_tensor(qtype, 16, _random_blocks(qtype, 16, 1024, half_offsets, seed=6))
+    for tp in (TPSlice("colwise", 1, 2), TPSlice("rowwise", 0, 2), TPSlice("rowwise", 1, 2)):
+        fast = packed_from_gguf(t, heads=2, tp=tp) if tp.kind == "colwise" else packed_from_gguf(t, tp=tp)
+        with monkeypatch.context() as m:
+            m.setattr(gguf_quant, "_kernels", lambda: None)
+            slow = packed_from_gguf(t, heads=2, tp=tp) if tp.kind == "colwise" else packed_from_gguf(t, tp=tp)
+        assert fast.tp_slice == slow.tp_slice == tp and fast.shape == slow.shape
+        assert fast.shape == ((8, 1024) if tp.kind == "colwise" else (16, 512))
+        assert torch.equal(fast.dequantize(), slow.dequantize()), tp
+    if type_name in ("Q4_K", "Q6_K"):
+        with pytest.raises(HardyError, match="whole blocks"):
+            packed_from_gguf(t, tp=TPSlice("rowwise", 0, 8))  # 128 columns: half a super-block
+
+
+@pytest.mark.parametrize("qtype", LEGACY)
+def test_the_planners_file_layout_is_what_a_native_load_holds(mini_ggufs, qtype):
+    """hardy.plan.weights reads a file's header into the bytes its weights take once loaded natively:
+    the planner's memory and per-step bytes for `--quant file` (int4 tiles padded to 8 rows aside)."""
+    from hardy.plan.weights import layout_from_gguf
+
+    layout = layout_from_gguf(mini_ggufs[qtype])
+    model = load_model(str(mini_ggufs[qtype]), gguf="native").model
+    held = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if not name.startswith("rope_"))
+    assert layout.quantized and layout.types.startswith(qtype)
+    assert held == pytest.approx(layout.total, rel=0.01), (held, layout)

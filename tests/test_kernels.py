@@ -15,7 +15,9 @@ from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
 from hardy.compress.quant import QuantSpec, rtn
 
-SPECS = [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(8, 0), QuantSpec(8, 32)]
+# int4 on both grids: asymmetric (Q4_1, with mins) and symmetric (Q4_0, the offset from the scale)
+SPECS = [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(4, 32, True), QuantSpec(4, 128, True), QuantSpec(8, 0),
+         QuantSpec(8, 32)]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,20 @@ def test_int4_tiled_layout_is_a_lossless_relayout(ext):
     other.load_state_dict(stored)
     assert torch.equal(other.qweight, layer.qweight) and torch.equal(other.dequantized_weight(), weight)
 
-    for spec in (QuantSpec(4, 32), QuantSpec(8, 0)):  # lookups then dequantize in C++, to the same floats
+    sym = _layer(QuantSpec(4, 32, True), out=100)  # the symmetric grid: no mins, tiled the same way
+    sym_stored = {k: v.clone() for k, v in sym.state_dict().items()}
+    sym_weight = sym.dequantized_weight()
+    sym_kernel = kernels.make_kernel(sym, ext)
+    assert sym.tiled and sym.mins is None and set(sym_stored) == {"qweight", "scales"}
+    assert all(torch.equal(v, sym_stored[k]) for k, v in sym.state_dict().items())
+    assert torch.equal(sym.dequantized_weight(), sym_weight)
+    assert float((sym_kernel(x) - x @ sym_weight.t()).norm() / (x @ sym_weight.t()).norm()) < 1e-2
+    sym_other = _layer(QuantSpec(4, 32, True), out=100, seed=1)
+    kernels.make_kernel(sym_other, ext)
+    sym_other.load_state_dict(sym_stored)
+    assert torch.equal(sym_other.dequantized_weight(), sym_weight)
+
+    for spec in (QuantSpec(4, 32), QuantSpec(4, 32, True), QuantSpec(8, 0)):  # lookups then C++ dequantization
         emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, spec))
         tokens = torch.tensor([[3, 59], [56, 0]])
         before = emb(tokens)
@@ -86,23 +101,23 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     if isa == "avx2" and not ext.has_vnni():
         pytest.skip("the build in use is the AVX2 one (or narrower)")
     check = "not m.has_avx2()" if isa == "generic" else "m.has_avx2() and not m.has_vnni()"
-    specs = [(4, 32), (4, 128), (8, 32), (8, 0)]
+    specs = [(4, 32, False), (4, 128, False), (4, 32, True), (8, 32, True), (8, 0, True)]
     script = (
         "import torch, json; from hardy.compress import kernels; from hardy.compress.qlinear import QuantLinear;"
         f"from hardy.compress.quant import QuantSpec, rtn; m = kernels.load(); assert {check};"
         "g = torch.Generator().manual_seed(0); x = torch.randn(2, 576, generator=g); out = {};"
-        "[out.__setitem__(f'{b} {s}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
-        f" QuantSpec(b, s))), m)(x).tolist()) for b, s in {specs!r}]; print(json.dumps(out))")
+        "[out.__setitem__(f'{b} {s} {y}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
+        f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}]; print(json.dumps(out))")
     env = dict(os.environ, HARDY_KERNEL_ISA=isa, HARDY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     narrow = json.loads(proc.stdout.strip().splitlines()[-1])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 576, generator=g)
-    for bits, size in specs:
-        layer = QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05, QuantSpec(bits, size)))
+    for bits, size, sym in specs:
+        layer = QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05, QuantSpec(bits, size, sym)))
         ours = kernels.make_kernel(layer, ext)(x)
-        assert torch.allclose(torch.tensor(narrow[f"{bits} {size}"]), ours, rtol=1e-5, atol=1e-5), (bits, size)
+        assert torch.allclose(torch.tensor(narrow[f"{bits} {size} {sym}"]), ours, rtol=1e-5, atol=1e-5), (bits, size)
 
 
 def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, mini_compressed, monkeypatch):

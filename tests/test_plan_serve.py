@@ -182,3 +182,42 @@ def test_cli_errors_are_one_line(catalogue, args, fragment):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hardy: error: ") and fragment in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_files_own_bytes_and_the_quantized_kernel_rate():
+    """--quant file: a step reads the file's matrices and head as hardy holds them (not one uniform
+    format), at the rate the probe measured for hardy's int4 kernel where it has one."""
+    import dataclasses
+
+    from hardy.plan.weights import WeightLayout
+
+    layout = WeightLayout(matmul_bytes=3.9e9, head_bytes=0.3e9, embedding_bytes=0.3e9, norm_bytes=1e6,
+                          types="Q4_0 x 226", quantized=True)
+    cpu = hw(kind="cpu", op_overhead_us=0.0)
+    kw = dict(context=552, prompt_tokens=512, output_tokens=32, batch=1)
+    plan = plan_serve(L8B, cpu, quant="file", layout=layout, **kw)
+    kv = 2 * 32 * 8 * 128 * 4 * (512 + 16)  # fp32 KV (hardy's CPU cache) at the average context
+    assert plan.kv_dtype == "fp32" and plan.weight_bytes == pytest.approx(layout.total)
+    assert plan.step_bytes_per_device == pytest.approx(3.9e9 + 0.3e9 + 1e6 + kv)
+    assert plan.step_memory_s == pytest.approx(plan.step_bytes_per_device / (2000e9 * 0.8))
+    fast = plan_serve(L8B, dataclasses.replace(cpu, quantized_decode_bandwidth=25e9), quant="file", layout=layout, **kw)
+    assert fast.step_memory_s == pytest.approx(fast.step_bytes_per_device / 25e9)
+    fp16 = plan_serve(L8B, dataclasses.replace(cpu, quantized_decode_bandwidth=25e9), quant="fp16", **kw)
+    assert fp16.step_memory_s == pytest.approx(fp16.step_bytes_per_device / (2000e9 * 0.8))  # not the kernels
+    two = plan_serve(L8B, cpu, devices=2, quant="file", layout=layout, **kw)
+    assert two.weight_bytes_per_device == pytest.approx(3.9e9 / 2 + 0.3e9 / 2 + 0.3e9 / 2 + 1e6)
+    with pytest.raises(HardyError, match="quant file"):
+        plan_serve(L8B, cpu, quant="file", **kw)
+
+
+def test_cli_plans_a_quantized_gguf_as_the_file_holds_it(smollm2_path):
+    from hardy.plan.weights import layout_from_gguf
+
+    proc = run_hardy("plan", "serve", "--model", str(smollm2_path), "--hardware", "xeon-spr", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    layout = layout_from_gguf(smollm2_path)
+    assert plan["quant"] == "file" and plan["weight_bytes"] == pytest.approx(layout.total)
+    assert "Q4_1" in layout.types and "Q8_0" in layout.types  # the shipped file's mix
+    bad = run_hardy("plan", "serve", "--model", "llama3.1-8b", "--hardware", "xeon-spr", "--quant", "file")
+    assert bad.returncode == 2 and "not a GGUF file" in bad.stderr and "Traceback" not in bad.stderr

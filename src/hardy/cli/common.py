@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -57,8 +58,15 @@ def load_from_args(args, need_tokenizer: bool = True):
     from hardy.formats.load import load_model, set_threads
 
     set_threads(getattr(args, "threads", None))
+    tp_slices = None
+    if getattr(args, "tp", 1) > 1 and "RANK" in os.environ:  # a --tp worker: read only this rank's slices
+        from hardy.parallel.parallelize import TP_PLAN  # start-up time: torch.distributed only for --tp
+        from hardy.parallel.quantized_tp import rank_slices
+
+        tp_slices = rank_slices(int(os.environ["RANK"]), args.tp, TP_PLAN)
     loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args),
-                        gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty())
+                        gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty(),
+                        tp_slices=tp_slices)
     if need_tokenizer and loaded.tokenizer is None:
         raise HardyError(f"{args.model}: the model has no tokenizer")
     return loaded

@@ -29,11 +29,13 @@ def _add_hardware_args(p) -> None:
 
 
 def register_serve(group) -> None:
-    from hardy.plan.serve import KV_DTYPES, QUANTS
+    from hardy.plan.serve import FILE, KV_DTYPES, QUANTS
 
     p = group.add_parser("serve", help="serving: memory per device, largest batch, latency, tokens/s, cost")
     _add_hardware_args(p)
-    p.add_argument("--quant", default="fp16", choices=QUANTS, help="weight format (default fp16)")
+    p.add_argument("--quant", default=None, choices=(*QUANTS, FILE),
+                   help="weight format; file: a quantized .gguf --model's own tensor types as hardy loads them "
+                        "(default for such a file; fp16 otherwise)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="KV cache dtype (default fp16; fp32 "
                                                                        "with --quant fp32)")
     p.add_argument("--context", type=int, default=2048, help="tokens of KV cache per sequence (default 2048)")
@@ -46,14 +48,28 @@ def register_serve(group) -> None:
 
 
 def run_serve(args) -> int:
-    from hardy.formats.load import config_for
+    from hardy.formats.load import config_for, is_quantized_source, resolve_source
     from hardy.plan.hardware import get_hardware
-    from hardy.plan.serve import plan_serve
+    from hardy.plan.serve import FILE, plan_serve
 
     hw = get_hardware(args.hardware, args.catalogue)
-    plan = plan_serve(config_for(args.model), hw, devices=args.devices, quant=args.quant, context=args.context,
+    quant, layout = args.quant, None
+    if quant is None:
+        quant = FILE if is_quantized_source(args.model, gguf="native") else "fp16"
+    if quant == FILE:
+        from hardy.errors import HardyError
+        from hardy.plan.weights import layout_from_gguf
+
+        try:
+            kind, path = resolve_source(args.model)
+        except HardyError:  # a preset: a config without a file
+            kind = None
+        if kind != "gguf":
+            raise HardyError(f"--quant file reads a .gguf file's tensor types; {args.model} is not a GGUF file")
+        layout = layout_from_gguf(path)
+    plan = plan_serve(config_for(args.model), hw, devices=args.devices, quant=quant, context=args.context,
                       output_tokens=args.output_tokens, batch=args.batch, qps=args.qps,
-                      prompt_tokens=args.prompt_tokens, kv_dtype=args.kv_dtype)
+                      prompt_tokens=args.prompt_tokens, kv_dtype=args.kv_dtype, layout=layout)
     _print(plan, args.json)
     return 0
 

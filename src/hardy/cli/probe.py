@@ -49,6 +49,14 @@ def table(profile: dict) -> list[tuple[str, str]]:
             rows.append(("attention fwd+bwd", f"GFLOP/s by head size {by_head}  (causal SDPA, seq {attn['seq']})"))
         note = "a Llama layer's non-GEMM operators, fwd + bwd" if "layer" in el else "median of mul/add/silu/square-mean"
         rows.append(("elementwise ops GB/s", f"{_g(el['bandwidth'])}  ({note})"))
+    gemv = profile.get("gemv")
+    if gemv:
+        by_width = " ".join(f"{w}:{_g(r)}" for w, r in sorted(gemv["bandwidth_by_width"].items(), key=lambda kv: int(kv[0])))
+        rows.append(("decode GEMV fp32 GB/s", f"{_g(gemv['bandwidth'])}  (batch 1, 64 MiB of weights; by width {by_width})"))
+    quant = profile.get("quant_gemv")
+    if quant:
+        rows.append(("decode int4 kernel GB/s", f"{_g(quant['bandwidth'])}  (hardy's fused kernel, batch 1, "
+                                                f"{quant['bytes'] >> 20} MiB of {quant['format']} weights)"))
     mem = profile["memory"]
     rows.append(("memory copy GB/s", f"{_g(mem['bandwidth'])}  ({mem['buffer_bytes'] >> 20} MiB, read+write)"))
     dispatch = profile["dispatch"]

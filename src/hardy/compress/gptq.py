@@ -19,14 +19,18 @@ from hardy.compress.quant import QuantSpec, QuantTensor, dequantize_with, group_
 
 def damped_inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); more damping if needed."""
-    h = h.double().clone()
-    mean_diag = torch.diag(h).mean().item() or 1.0
+    # in float64, factored in place: one n² matrix at a time (an 8B down projection's n = 14336 makes
+    # it 1.6 GB; H + λ·eye(n) and a name per factor held six)
+    mean_diag = torch.diag(h).double().mean().item() or 1.0
     for attempt in range(6):
         lam = damp * (10 ** attempt) * mean_diag
+        m = h.to(torch.float64, copy=True)
+        m.diagonal().add_(lam)
         try:
-            chol = torch.linalg.cholesky(h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device))
-            inv = torch.cholesky_inverse(chol)
-            return torch.linalg.cholesky(inv, upper=True).float()
+            torch.linalg.cholesky(m, out=m)
+            torch.cholesky_inverse(m, out=m)
+            torch.linalg.cholesky(m, upper=True, out=m)
+            return m.float()
         except torch.linalg.LinAlgError:
             continue
     raise RuntimeError("GPTQ: the calibration Hessian is not positive definite even with heavy damping")
@@ -79,12 +83,12 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, block_size: in
             m = None if mins is None else mins[:, g:g + 1]
             column = w1[:, i:i + 1]
             code = quantize_with(column, s, m, spec)
-            q = dequantize_with(code, s, m)
+            q = dequantize_with(code, s, m, spec.offset)
             if keep is not None:  # pruned: stays (as near as the grid allows to) zero
                 k = keep[:, i1 + i:i1 + i + 1]
                 zero = quantize_with(torch.zeros_like(column), s, m, spec)
                 code = torch.where(k, code, zero)
-                q = torch.where(k, q, dequantize_with(zero, s, m))
+                q = torch.where(k, q, dequantize_with(zero, s, m, spec.offset))
             codes[:, i1 + i] = code[:, 0]
             e = (column[:, 0] - q[:, 0]) / hinv1[i, i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]

@@ -90,26 +90,27 @@ def supports(layer) -> bool:
     spec, cols = layer.spec, layer.in_features
     if cols % 32 or kernel_group(layer) % 32:
         return False
-    return (spec.bits == 4 and not spec.symmetric) or (spec.bits == 8 and spec.symmetric)
+    return spec.bits == 4 or (spec.bits == 8 and spec.symmetric)  # int4: with mins (Q4_1 grid) or without (Q4_0)
 
 
 TILE = 8  # int4 rows interleaved per tile (csrc/qgemv.cpp, q4_job)
 
 
 def tile_q4(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """int4 qweight/scales/mins from the stored layout (rows of GGUF Q4 blocks, [rows, groups]) to
+    """int4 qweight/scales[/mins] from the stored layout (rows of GGUF Q4 blocks, [rows, groups]) to
     the kernel's: rows padded to a multiple of 8 with zeros, each tile's block as the 4-byte groups
-    of its 8 rows in turn, scales and mins [tiles, groups, 8]. A byte permutation: nothing is
-    re-quantized, and `untile_q4` restores the stored tensors exactly."""
-    q, scales, mins = stored["qweight"], stored["scales"], stored["mins"]
+    of its 8 rows in turn, scales and mins [tiles, groups, 8] (no mins on the symmetric grid). A byte
+    permutation: nothing is re-quantized, and `untile_q4` restores the stored tensors exactly."""
+    q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
     rows, half = q.shape
     pad = -rows % TILE
     if pad:
-        q, scales, mins = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, scales, mins))
+        q = torch.cat([q, q.new_zeros(pad, half)])
+        per_group = {k: torch.cat([t, t.new_zeros(pad, t.shape[1])]) for k, t in per_group.items()}
     tiles = q.shape[0] // TILE
-    return {"qweight": q.view(tiles, TILE, half // 16, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE, half),
-            "scales": scales.view(tiles, TILE, -1).transpose(1, 2).contiguous(),
-            "mins": mins.view(tiles, TILE, -1).transpose(1, 2).contiguous()}
+    out = {"qweight": q.view(tiles, TILE, half // 16, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE, half)}
+    out.update({k: t.view(tiles, TILE, -1).transpose(1, 2).contiguous() for k, t in per_group.items()})
+    return out
 
 
 def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -119,7 +120,8 @@ def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, 
     tile, lane = rows // TILE, rows % TILE
     out = {"qweight": q.view(-1, half // 16, 4, TILE, 4)[tile, :, :, lane].reshape(-1, half)}
     for name in ("scales", "mins"):
-        out[name] = tiled[name][tile, :, lane]
+        if name in tiled:
+            out[name] = tiled[name][tile, :, lane]
     return out
 
 
@@ -129,15 +131,16 @@ def untile_q4(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tens
     padded, half = q.shape
     out = {"qweight": q.view(padded // TILE, half // 16, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(padded, half)}
     for name in ("scales", "mins"):
-        out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
+        if name in tiled:
+            out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
     return {name: t[:rows] for name, t in out.items()}
 
 
-_NO_MINS = torch.empty(0, dtype=torch.float16)  # int8 (symmetric) layers have no mins
+_NO_MINS = torch.empty(0, dtype=torch.float16)  # symmetric layers (int8, int4 Q4_0 grid) have no mins
 
 
 def kernel_tensors(layer) -> list[torch.Tensor]:
-    """(qweight, scales, mins) as the extension takes them: mins empty for int8."""
+    """(qweight, scales, mins) as the extension takes them: mins empty on a symmetric grid."""
     return [layer.qweight, layer.scales, _NO_MINS if layer.mins is None else layer.mins]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from hardy.compress import awq, gptq, prune
 from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, rtn
+from hardy.formats.gguf_quant import PackedQuant
 from hardy.devices import compute_device
 from hardy.errors import HardyError
 
@@ -46,6 +47,9 @@ class CompressConfig:
     quant: str | None = None
     bits: int = 4
     group_size: int = 128
+    # below 8 bits: the symmetric grid ((code − 2^(b−1))·scale, no mins: GGUF Q4_0 at 4 bits g32) instead
+    # of the asymmetric one (code·scale + min: Q4_1); 8 bits is always symmetric
+    symmetric: bool = False
     prune: str | None = None
     sparsity: str = "0.5"
     prune_layers: tuple[str, ...] = ()  # short names of the linears to prune; () = all of them
@@ -94,7 +98,7 @@ class CompressConfig:
                                            any(SHORT_NAMES[n] == name for n in self.prune_layers))
 
     def spec(self) -> QuantSpec:
-        return QuantSpec(bits=self.bits, group_size=self.group_size)
+        return QuantSpec(bits=self.bits, group_size=self.group_size, symmetric=True if self.symmetric else None)
 
     @property
     def needs_hessian(self) -> bool:
@@ -144,7 +148,12 @@ class _InputStats:
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
         h = self.hessian.dtype
-        self.hessian += (x.t() @ x).to(h) if self.full else x.to(h).pow(2).sum(0)
+        if self.full:  # the fp32 product widened a slab of rows at a time: no second full-size copy
+            product = x.t() @ x
+            for r in range(0, product.shape[0], 2048):
+                self.hessian[r:r + 2048] += product[r:r + 2048].to(h)
+        else:
+            self.hessian += x.to(h).pow(2).sum(0)
         self.count += x.shape[0]
         if self.budget > 0:
             # the sample is drawn with a CPU generator: the same tokens whatever the device
@@ -153,7 +162,10 @@ class _InputStats:
             self.budget -= keep.shape[0]
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        h = (2 * self.hessian / max(1, self.count)).float()
+        """(2·XᵀX / tokens in fp32, the token sample); the accumulator is consumed (scaled in place and
+        dropped: for an 8B model's down projection it is 14336² float64 = 1.6 GB)."""
+        h = self.hessian.mul_(2).div_(max(1, self.count)).float()
+        self.hessian = None
         return (h if self.full else torch.diag(h)), torch.cat(self.samples)
 
 
@@ -224,6 +236,65 @@ def _propagate(block, x: torch.Tensor, cos, sin, chunk: int) -> None:
         x[i:i + chunk] = block(x[i:i + chunk], cos, sin)
 
 
+def _compress_block(block, li: int, x: torch.Tensor, cos, sin, chunk: int, cfg: CompressConfig, mcfg,
+                    quantized: dict, reports: list, pack: bool = False) -> None:
+    """Calibrate, prune, scale and quantize one block's linears on its inputs `x` (then carry `x` through
+    the compressed block, in place). `pack`: keep each quantized weight packed (4-bit codes two per
+    byte), not as one byte per code — the streaming path's memory."""
+    spec = cfg.spec() if cfg.quant else None
+    sparsity = prune.Sparsity.parse(cfg.sparsity) if cfg.prune else None
+    stats = _block_inputs(block, x, cos, sin, chunk, cfg.needs_hessian)
+    inputs = {k: stats.pop(k).finish() for k in list(stats)}
+    originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
+    masks = {}
+    if sparsity is not None:
+        for name, kind in LINEARS.items():
+            if not cfg.prunes(name):
+                continue
+            lin = block.get_submodule(name)
+            h = inputs[kind][0]
+            if cfg.prune == "magnitude":
+                w, mask = prune.magnitude(lin.weight, sparsity)
+            elif cfg.prune == "wanda":
+                w, mask = prune.wanda(lin.weight, torch.diag(h), sparsity)
+            else:
+                w, mask = prune.sparsegpt(lin.weight, h, sparsity, cfg.block_size, cfg.damp)
+            lin.weight.copy_(w)
+            masks[name] = mask
+    samples = {kind: xs for kind, (_, xs) in inputs.items()}  # before any AWQ rescaling
+    # the weights RTN's error is reported for: after pruning, before AWQ's scales (without either,
+    # the originals themselves: no second copy of the block)
+    unscaled = ({name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
+                if masks or cfg.quant == "awq" else originals)
+    out_scales = {}
+    if cfg.quant == "awq":  # rescales weights and inputs by s: (X/s)·(W·s)ᵀ = X·Wᵀ
+        out_scales = _apply_awq_scales(block, inputs, spec, mcfg.n_heads, mcfg.n_kv_heads)
+    for name, kind in LINEARS.items():
+        lin = block.get_submodule(name)
+        h, xs = inputs[kind]
+        w = lin.weight.detach().float()
+        full = f"layers.{li}.{name}.weight"
+        rtn_error = None
+        if cfg.quant is not None:
+            if cfg.quant == "gptq":
+                q = gptq.gptq(w, h, spec, cfg.block_size, cfg.damp, cfg.act_order, masks.get(name))
+            elif cfg.quant == "awq":
+                q = awq.awq_quantize(xs, w, spec)
+            else:
+                q = rtn(w, spec)
+            quantized[full] = PackedQuant(q.packed(), q.spec, q.shape) if pack else q
+            w_hat = q.dequantize()
+            rtn_error = _rel_error(samples[kind], originals[name], samples[kind],
+                                   fake_quantize(unscaled[name], spec))
+        else:
+            w_hat = w
+        error = _rel_error(samples[kind], originals[name], xs, w_hat, out_scales.get(name))
+        reports.append(LayerReport(name=full, linear=name, output_error=error, rtn_output_error=rtn_error,
+                                   sparsity=float((w_hat == 0).float().mean()) if masks else 0.0))
+        lin.weight.copy_(w_hat)
+    _propagate(block, x, cos, sin, chunk)
+
+
 def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progress: bool = True) -> CompressResult:
     """Compress `model` (fp32, modified in place: it ends up holding the dequantized weights)."""
     from tqdm import tqdm
@@ -232,7 +303,6 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
         raise HardyError(f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs calibration text "
                          "(--calib-data)")
     spec = cfg.spec() if cfg.quant else None
-    sparsity = prune.Sparsity.parse(cfg.sparsity) if cfg.prune else None
     mcfg = model.cfg
     quantized: dict[str, QuantTensor] = {}
     reports: list[LayerReport] = []
@@ -252,55 +322,8 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
         for li, block in enumerate(model.layers):
             if cfg.blocks and li not in cfg.blocks:
                 _propagate(block, x, cos, sin, chunk)
-                bar.update()
-                continue
-            stats = _block_inputs(block, x, cos, sin, chunk, cfg.needs_hessian)
-            inputs = {k: v.finish() for k, v in stats.items()}
-            originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
-            masks = {}
-            if sparsity is not None:
-                for name, kind in LINEARS.items():
-                    if not cfg.prunes(name):
-                        continue
-                    lin = block.get_submodule(name)
-                    h = inputs[kind][0]
-                    if cfg.prune == "magnitude":
-                        w, mask = prune.magnitude(lin.weight, sparsity)
-                    elif cfg.prune == "wanda":
-                        w, mask = prune.wanda(lin.weight, torch.diag(h), sparsity)
-                    else:
-                        w, mask = prune.sparsegpt(lin.weight, h, sparsity, cfg.block_size, cfg.damp)
-                    lin.weight.copy_(w)
-                    masks[name] = mask
-            samples = {kind: xs for kind, (_, xs) in inputs.items()}  # before any AWQ rescaling
-            unscaled = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
-            out_scales = {}
-            if cfg.quant == "awq":  # rescales weights and inputs by s: (X/s)·(W·s)ᵀ = X·Wᵀ
-                out_scales = _apply_awq_scales(block, inputs, spec, mcfg.n_heads, mcfg.n_kv_heads)
-            for name, kind in LINEARS.items():
-                lin = block.get_submodule(name)
-                h, xs = inputs[kind]
-                w = lin.weight.detach().float()
-                full = f"layers.{li}.{name}.weight"
-                rtn_error = None
-                if cfg.quant is not None:
-                    if cfg.quant == "gptq":
-                        q = gptq.gptq(w, h, spec, cfg.block_size, cfg.damp, cfg.act_order, masks.get(name))
-                    elif cfg.quant == "awq":
-                        q = awq.awq_quantize(xs, w, spec)
-                    else:
-                        q = rtn(w, spec)
-                    quantized[full] = q
-                    w_hat = q.dequantize()
-                    rtn_error = _rel_error(samples[kind], originals[name], samples[kind],
-                                           fake_quantize(unscaled[name], spec))
-                else:
-                    w_hat = w
-                error = _rel_error(samples[kind], originals[name], xs, w_hat, out_scales.get(name))
-                reports.append(LayerReport(name=full, linear=name, output_error=error, rtn_output_error=rtn_error,
-                                           sparsity=float((w_hat == 0).float().mean()) if masks else 0.0))
-                lin.weight.copy_(w_hat)
-            _propagate(block, x, cos, sin, chunk)
+            else:
+                _compress_block(block, li, x, cos, sin, chunk, cfg, mcfg, quantized, reports)
             bar.update()
         bar.close()
         if cfg.embeddings != "dense" and cfg.quant is not None and not cfg.blocks:  # `blocks`: only those
@@ -316,3 +339,74 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
                 out.copy_(qo.dequantize())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return CompressResult(quantized=quantized, state=state, reports=reports)
+
+
+EMBEDDING_ROWS = 8192  # rows of an embedding table / LM head quantized at a time from disk
+
+
+def _rtn_rows(weights, name: str, spec: QuantSpec) -> PackedQuant:
+    """RTN of a [rows, dim] table read EMBEDDING_ROWS at a time (rows are independent: groups run
+    along a row), packed: an 8B model's 128k-row head is never in memory as fp32."""
+    rows, cols = weights.shape(name)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for r0 in range(0, rows, EMBEDDING_ROWS):
+        for key, t in rtn(weights.rows(name, r0, min(rows, r0 + EMBEDDING_ROWS)), spec).packed().items():
+            parts.setdefault(key, []).append(t)
+    return PackedQuant({k: torch.cat(v) for k, v in parts.items()}, spec, (rows, cols))
+
+
+def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor | None,
+                       progress: bool = True) -> CompressResult:
+    """`compress_model` on weights streamed from disk (`hardy.formats.lazy_weights.LazyWeights`): one
+    block at a time is read (bf16 stays bf16 on disk), widened to fp32, compressed, packed and freed,
+    so memory holds one block's fp32 working set, its calibration statistics, the activations and the
+    packed results — an 8B model compresses in a fraction of its fp32 size. The same computation as
+    `compress_model` on the loaded model (tested bit for bit). `state` holds only the float tensors
+    that stay float (norms; dense embeddings; blocks outside `cfg.blocks`)."""
+    from tqdm import tqdm
+
+    from hardy.model.llama import meta_transformer
+
+    if cfg.needs_calibration and calib is None:
+        raise HardyError(f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs calibration text "
+                         "(--calib-data)")
+    model = meta_transformer(mcfg)  # the structure; each block is materialized in turn
+    quantized: dict = {}
+    reports: list[LayerReport] = []
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if calib is None:
+            calib = torch.randint(0, mcfg.vocab_size, (4, min(64, mcfg.max_seq_len)),
+                                  generator=torch.Generator().manual_seed(cfg.seed))
+        seq = calib.shape[1]
+        model.reset_rope(seq, device="cpu")
+        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+        x = weights.get("tok_embeddings.weight", dtype=None)[calib].float()  # only the rows looked up
+        chunk = max(1, 8192 // seq)
+        if cfg.blocks and max(cfg.blocks) >= mcfg.n_layers:
+            raise HardyError(f"blocks {cfg.blocks}: the model has {mcfg.n_layers} blocks")
+        bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
+        for li, block in enumerate(model.layers):
+            block.to_empty(device="cpu")
+            for name, param in block.named_parameters():
+                param.copy_(weights.get(f"layers.{li}.{name}"))
+            if cfg.blocks and li not in cfg.blocks:
+                _propagate(block, x, cos, sin, chunk)
+                kept = list(block.named_parameters())
+            else:
+                _compress_block(block, li, x, cos, sin, chunk, cfg, mcfg, quantized, reports, pack=True)
+                kept = [(n, p) for n, p in block.named_parameters() if f"layers.{li}.{n}" not in quantized]
+            for name, param in kept:  # norms (AWQ may have rescaled them), or a whole uncompressed block
+                state[f"layers.{li}.{name}"] = param.detach().clone()
+            block.to("meta")  # frees the block's fp32 weights
+            bar.update()
+        bar.close()
+        state["norm.weight"] = weights.get("norm.weight")
+        heads = ["tok_embeddings.weight"] + ([] if mcfg.tie_embeddings else ["output.weight"])
+        for name in heads:
+            if cfg.embeddings != "dense" and cfg.quant is not None and not cfg.blocks:
+                quantized[name] = _rtn_rows(weights, name, EMBEDDING_INT8 if cfg.embeddings == "int8" else cfg.spec())
+            else:
+                state[name] = weights.get(name)
+    return CompressResult(quantized=quantized, state=state, reports=reports)
+

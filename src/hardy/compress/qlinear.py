@@ -2,9 +2,9 @@
 transform + a module swap". A `QuantLinear` holds the stored tensors (packed codes, fp16 scales and
 mins) and never a float copy of its weight; `QuantEmbedding` dequantizes only the rows it looks up.
 
-forward(): many tokens (prefill, evaluation) dequantize the weight once per call and run the fp32
-GEMM — the dequantization is amortized over the tokens; a few tokens (decode) go through
-`hardy.compress.kernels`, the fused path chosen by measurement (docs/quantization.md).
+forward(): many tokens (prefill, evaluation) dequantize the weight a slab at a time and run float
+GEMMs — the dequantization is amortized over the tokens; a few tokens (decode, batched decode, short
+prompts) go through `hardy.compress.kernels`, the fused path chosen by measurement (docs/quantization.md).
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from torch import nn
 
 from hardy.compress.quant import QuantTensor
 
-FUSED_MAX_TOKENS = 4  # at most this many rows use the fused decode kernel
+# At most this many rows use the fused decode kernel (batched decode, short prompts): it beats the
+# slab path up to ~64 tokens, from SmolLM2's layers to 8B ones (bench/kernel_tokens.py).
+FUSED_MAX_TOKENS = 32
 # Prefill dequantizes the weights a slab of rows at a time (this many bytes of float weights: in L2/L3).
 PREFILL_SLAB_BYTES = 4 * 2 ** 20
 
@@ -46,6 +48,9 @@ class QuantLinear(nn.Module):
         # int4 tensors re-laid for the kernel (prepare, or a GGUF loader that writes that layout
         # directly); state_dict() stays in the stored layout
         self.tiled = bool(getattr(qt, "tiled", False))
+        # a tensor-parallel rank's part, read as such by the loader (hardy.formats.gguf_quant.TPSlice):
+        # apply_tp then only wires it up instead of slicing a whole matrix
+        self.tp_slice = getattr(qt, "tp_slice", None)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -85,7 +90,7 @@ class QuantLinear(nn.Module):
         if self.tiled:  # stored layout in, kernel layout kept
             from hardy.compress.kernels import tile_q4
 
-            names = [prefix + n for n in ("qweight", "scales", "mins")]
+            names = [prefix + n for n in self._tensors()]  # no mins on a symmetric grid
             if all(n in state_dict for n in names):
                 tiled = tile_q4({n.removeprefix(prefix): state_dict[n] for n in names})
                 state_dict = {**state_dict, **{prefix + n: t for n, t in tiled.items()}}

@@ -1,8 +1,10 @@
 """Weight quantization formats: group-wise integer codes with fp16 scales (docs/quantization.md).
 
-Two grids, both chosen so that llama.cpp's blocks are the same numbers:
-  symmetric (int8):  w = code · scale,          code ∈ [−127, 127]   (GGUF Q8_0 at group 32)
-  asymmetric (4/3):  w = code · scale + min,    code ∈ [0, 2^b − 1]  (GGUF Q4_1 at 4 bits, group 32)
+Three grids, each chosen so that llama.cpp's blocks are the same numbers:
+  symmetric (int8):   w = code · scale,               code ∈ [−127, 127]   (GGUF Q8_0 at group 32)
+  symmetric (4/3):    w = (code − 2^(b−1)) · scale,   code ∈ [0, 2^b − 1]  (GGUF Q4_0 at 4 bits, group 32:
+                      no min stored — 18 bytes per 32 weights against Q4_1's 20)
+  asymmetric (4/3):   w = code · scale + min,         code ∈ [0, 2^b − 1]  (GGUF Q4_1 at 4 bits, group 32)
 `scale` and `min` are stored as fp16 and the arithmetic is fp32, exactly as llama.cpp dequantizes,
 so hardy's int8/int4 tensors repack into GGUF blocks losslessly. A group is `group_size`
 consecutive input columns of one output row (group 0 = the whole row: per-channel).
@@ -37,12 +39,17 @@ class QuantSpec:
 
     @property
     def code_dtype(self) -> torch.dtype:
-        """Unpacked codes: signed for the symmetric grid, unsigned for the asymmetric one."""
-        return torch.int8 if self.symmetric else torch.uint8
+        """Unpacked codes: signed for the symmetric 8-bit grid, unsigned (offset) below 8 bits."""
+        return torch.int8 if self.bits == 8 and self.symmetric else torch.uint8
+
+    @property
+    def offset(self) -> int:
+        """The code of zero on a symmetric grid below 8 bits (8 at 4 bits, as in Q4_0); else 0."""
+        return 1 << (self.bits - 1) if self.symmetric and self.bits < 8 else 0
 
     @property
     def maxq(self) -> int:
-        return 127 if self.symmetric else (1 << self.bits) - 1
+        return 127 if self.bits == 8 and self.symmetric else (1 << self.bits) - 1
 
     def group_width(self, in_features: int) -> int:
         return min(self.group_size or in_features, in_features)
@@ -62,6 +69,10 @@ class QuantSpec:
 def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale, min) per group for w [rows, columns] (all columns one group), fp16-rounded, as fp32."""
     w = w.float()
+    if spec.offset:  # llama.cpp's Q4_0 rule: the group's largest-magnitude value maps to code 0 exactly
+        extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))
+        scale = (extreme / -spec.offset).half().float()
+        return torch.where(scale == 0, torch.ones_like(scale), scale), None
     if spec.symmetric:
         scale = w.abs().amax(dim=-1, keepdim=True) / spec.maxq
         scale = scale.half().float()
@@ -74,13 +85,16 @@ def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.
 
 def quantize_with(w: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
     """Codes of w under given group parameters (broadcast over the group's columns)."""
+    if spec.offset:
+        return torch.clamp(torch.round(w.float() / scale) + spec.offset, 0, spec.maxq)
     if spec.symmetric:
         return torch.clamp(torch.round(w.float() / scale), -spec.maxq, spec.maxq)
     return torch.clamp(torch.round((w.float() - mn) / scale), 0, spec.maxq)
 
 
-def dequantize_with(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None) -> torch.Tensor:
-    out = codes.float() * scale
+def dequantize_with(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor | None, offset: int = 0) -> torch.Tensor:
+    """code · scale (+ min); a symmetric grid below 8 bits subtracts its offset first: (code − offset) · scale."""
+    out = (codes.float() - offset) * scale if offset else codes.float() * scale
     return out if mn is None else out + mn
 
 
@@ -103,7 +117,7 @@ class QuantTensor:
         g = self.spec.group_width(cols)
         scale = self.scale.float().repeat_interleave(g, dim=1)[:, :cols]
         mins = None if self.mins is None else self.mins.float().repeat_interleave(g, dim=1)[:, :cols]
-        return dequantize_with(self.codes, scale, mins)
+        return dequantize_with(self.codes, scale, mins, self.spec.offset)
 
     def packed(self) -> dict[str, torch.Tensor]:
         """The stored tensors: qweight (int8 codes, packed 4-bit bytes, or 3-bit codes), scales, mins."""
@@ -154,7 +168,7 @@ def fake_quantize_groups(wg: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     holds, bit for bit (the same fp32 operations), without packing codes or regrouping. AWQ's searches
     score hundreds of candidates per linear with it."""
     scale, mn = group_params(wg, spec)
-    return dequantize_with(quantize_with(wg, scale, mn, spec), scale, mn)
+    return dequantize_with(quantize_with(wg, scale, mn, spec), scale, mn, spec.offset)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -16,10 +16,10 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from hardy.compress.quant import QuantSpec, QuantTensor
 from hardy.errors import HardyError
+from hardy.formats.lazy_weights import write_safetensors
 from hardy.formats.names import from_format, to_format
 from hardy.fsio import atomic_directory
 
@@ -40,16 +40,21 @@ def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, Qu
     from hardy.formats.hf import hf_config
 
     with atomic_directory(out) as tmp:
-        tensors = {}
+        # written one tensor at a time (save_file would serialize them all into memory at once: twice
+        # an 8B model's compressed size at the end of a streamed compression)
+        makers = {}
         for name, t in state.items():
             if name in quantized or (cfg.tie_embeddings and name == "output.weight"):
                 continue
-            tensors[to_format(name, "hf")] = t.detach().float().contiguous().cpu()  # compressed on a GPU too
+            makers[to_format(name, "hf")] = (torch.float32, tuple(t.shape),
+                                             lambda t=t: t.detach().float().contiguous().cpu())  # GPU too
         for name, qt in quantized.items():
             base = to_format(name, "hf").removesuffix(".weight")
             for key, t in qt.packed().items():
-                tensors[f"{base}.{key}"] = t.cpu()
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "hardy": FORMAT})
+                makers[f"{base}.{key}"] = (t.dtype, tuple(t.shape), lambda t=t: t.cpu())
+        entries = [(key, dtype, shape) for key, (dtype, shape, _) in makers.items()]
+        write_safetensors(tmp / "model.safetensors", entries, lambda key: makers[key][2](),
+                          metadata={"format": "pt", "hardy": FORMAT})
         manifest = {"format": FORMAT, "packing": PACKING,
                     "tensors": {name: {**qt.spec.to_dict(), "shape": list(qt.shape)} for name, qt in quantized.items()},
                     **meta}
@@ -103,10 +108,9 @@ def load_compressed(path: str | os.PathLike):
 def model_from_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, QuantTensor], source: str):
     """Build on the meta device, swap in the quantized modules, load the float tensors in place."""
     from hardy.compress.qlinear import swap_quantized
-    from hardy.model.llama import Transformer
+    from hardy.model.llama import meta_transformer
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = meta_transformer(cfg)
     swap_quantized(model, quantized)
     model.load_state_dict(state, strict=False, assign=True)
     if "tok_embeddings.weight" not in quantized:

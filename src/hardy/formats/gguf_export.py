@@ -6,8 +6,8 @@ byte alphabet, merges, token types, BOS/EOS, `tokenizer.ggml.pre`). Norms stay F
 1-D tensors in F32) and a matrix whose rows are not a multiple of the 32-value block is written F16.
 
 hardy's own quantized tensors are written without re-quantizing where the formats match: int4
-asymmetric group 32 *is* Q4_1 and int8 symmetric group 32 *is* Q8_0 (same fp16 scale/min and codes,
-same packing) — the bytes are repacked, not recomputed. Anything else is dequantized and quantized
+asymmetric group 32 *is* Q4_1, int4 symmetric group 32 *is* Q4_0 and int8 symmetric group 32 *is* Q8_0
+(same fp16 scale/min and codes, same packing) — the bytes are repacked, not recomputed. Anything else is dequantized and quantized
 with the `gguf` package's reference kernels.
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ def repack_blocks(qt: QuantTensor, qtype: str) -> np.ndarray | None:
     if qtype == "Q4_1" and qt.spec == QuantSpec(4, BLOCK, False):
         parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["mins"].reshape(-1, 1).numpy().view(np.uint8),
                  p["qweight"].reshape(-1, BLOCK // 2).numpy()]
+    elif qtype == "Q4_0" and qt.spec == QuantSpec(4, BLOCK, True):
+        parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["qweight"].reshape(-1, BLOCK // 2).numpy()]
     elif qtype == "Q8_0" and qt.spec == QuantSpec(8, BLOCK, True):
         parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["qweight"].reshape(-1, BLOCK).numpy().view(np.uint8)]
     else:

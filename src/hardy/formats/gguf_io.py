@@ -116,11 +116,13 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
     return cfg, state, tokenizer, fields
 
 
-def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress: bool = False):
+def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress: bool = False, tp_slices=None):
     """Return (config, float state, {hardy name: PackedQuant}, tokenizer, {GGUF type: count}).
 
     Quantized matrices go into hardy's format tensor by tensor from the memory-mapped file
     (`hardy.formats.gguf_quant`); only 1-D tensors and float matrices are read as float.
+    `tp_slices(hardy name) -> TPSlice | None`: a tensor-parallel rank reads only its part of those
+    matrices (hardy.parallel.quantized_tp.rank_slices).
     """
     from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf
     from hardy.formats.tokenizer import tokenizer_from_gguf_fields
@@ -137,7 +139,8 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
             heads = cfg.n_heads if ours.endswith("attention.wq.weight") else (
                 cfg.n_kv_heads if ours.endswith("attention.wk.weight") else None)
             if is_quantized(t):
-                q = packed_from_gguf(t, heads)
+                reader.prefetch(t)
+                q = packed_from_gguf(t, heads, tp_slices(ours) if tp_slices else None)
                 check_unpacks(q, f"{path}: {t.name}")
                 quantized[ours] = q
                 types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1

@@ -1,8 +1,10 @@
 """GGUF quantized tensors straight into hardy's quantized-tensor format (docs/quantization.md),
 read from the memory-mapped file one tensor at a time: no float copy of the model is ever made.
 
-  Q4_0, Q4_1  -> int4 asymmetric, group 32: exact. Q4_1 *is* hardy's format (fp16 scale and min,
-                 the same nibble order); Q4_0's (q − 8)·d is q·d + (−8·d), and −8·d is exact in fp16.
+  Q4_0        -> int4 symmetric, group 32: exact. Q4_0 *is* hardy's symmetric int4 grid ((q − 8)·d,
+                 fp16 d, the same nibble order; no mins: the file's 18 bytes per 32 weights in memory).
+  Q4_1        -> int4 asymmetric, group 32: exact. Q4_1 *is* hardy's format (fp16 scale and min,
+                 the same nibble order).
   Q8_0        -> int8 symmetric, group 32: exact (fp16 scale, int8 codes).
   Q4_K        -> int4 asymmetric, group 32: the codes unchanged, each sub-block's scale d·sc and min
                  dmin·m (fp32 products of fp16 and 6-bit integers in llama.cpp) rounded to fp16 —
@@ -26,7 +28,20 @@ from hardy.errors import HardyError
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q4_K": "scales rounded to fp16"}
 INT4_G32 = QuantSpec(4, 32, False)
+INT4_SYM_G32 = QuantSpec(4, 32, True)
 INT8_G32 = QuantSpec(8, 32, True)
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """One tensor-parallel rank's part of a matrix: output rows (colwise) or input columns (rowwise)."""
+
+    kind: str  # "colwise" | "rowwise"
+    rank: int
+    parts: int
+
+    def span(self, n: int) -> tuple[int, int]:
+        return self.rank * n // self.parts, (self.rank + 1) * n // self.parts
 
 
 @dataclass
@@ -38,6 +53,7 @@ class PackedQuant:
     spec: QuantSpec
     shape: tuple[int, int]
     tiled: bool = False  # int4 already in the kernels' tiled layout (hardy.compress.kernels.tile_q4)
+    tp_slice: TPSlice | None = None  # only this tensor-parallel rank's rows or columns were read
 
     def packed(self) -> dict[str, torch.Tensor]:
         return self.parts
@@ -56,8 +72,9 @@ class PackedQuant:
         return self.quant_tensor().dequantize()
 
     def map_rows(self, fn) -> "PackedQuant":
-        """The same rows reordered by `fn` (every stored tensor is [rows, ...])."""
-        return PackedQuant({k: fn(v).contiguous() for k, v in self.stored().items()}, self.spec, self.shape)
+        """Rows picked (reordered, or a rank's subset) by `fn` (every stored tensor is [rows, ...])."""
+        parts = {k: fn(v).contiguous() for k, v in self.stored().items()}
+        return PackedQuant(parts, self.spec, (parts["qweight"].shape[0], self.shape[1]))
 
 
 def _blocks(t, block_values: int, block_bytes: int) -> tuple[np.ndarray, int, int]:
@@ -82,10 +99,11 @@ def _half(blocks: np.ndarray, offset: int) -> torch.Tensor:
 def _q4_legacy(t, with_min: bool) -> PackedQuant:
     block_bytes = 20 if with_min else 18
     blocks, rows, cols = _blocks(t, 32, block_bytes)
-    scale = _half(blocks, 0)
-    mins = _half(blocks, 2) if with_min else (scale.float() * -8).half()
     qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, block_bytes - 16:]).reshape(rows, cols // 2))
-    return PackedQuant({"qweight": qs, "scales": scale, "mins": mins}, INT4_G32, (rows, cols))
+    parts = {"qweight": qs, "scales": _half(blocks, 0)}
+    if with_min:
+        parts["mins"] = _half(blocks, 2)
+    return PackedQuant(parts, INT4_G32 if with_min else INT4_SYM_G32, (rows, cols))
 
 
 def _q8_0(t) -> PackedQuant:
@@ -157,9 +175,11 @@ def _kernels():
     return load()
 
 
-def _converted_in_cpp(t, order: torch.Tensor | None) -> PackedQuant | None:
+def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None) -> PackedQuant | None:
     """Q4_0/Q4_1 straight into the tiled layout, Q8_0 into codes + scales, rows reordered on the way,
-    by the kernels extension (one pass); None where it is not built (then the numpy path)."""
+    by the kernels extension (one pass); None where it is not built (then the numpy path). `order`:
+    the source row of each output row (fewer than the file's for a colwise rank); `tp` rowwise: only
+    that rank's input columns are read."""
     name = t.tensor_type.name
     module = _kernels() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else None
     if module is None:
@@ -167,13 +187,17 @@ def _converted_in_cpp(t, order: torch.Tensor | None) -> PackedQuant | None:
     values, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
                            "Q6_K": (256, 210)}[name]
     blocks, rows, cols = _blocks(t, values, block_bytes)
+    if tp is not None and tp.kind == "rowwise":  # whole blocks of this rank's columns, copied out of the map
+        b0, b1 = _column_blocks(t, tp, cols, values)
+        blocks, cols = np.ascontiguousarray(blocks[:, b0:b1]), (b1 - b0) * values
     with warnings.catch_warnings():  # a read-only view of the mapped file: read, never written
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(blocks.reshape(rows, -1))
-    if name == "Q6_K":  # re-quantized to int8 g32 (the table above), rows reordered after
-        codes, scales = module.q6k_to_int8(raw)
-        q = PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols))
-        return q.map_rows(lambda x: x[order]) if order is not None else q
+    out_rows = rows if order is None else order.numel()
+    if name == "Q6_K":  # re-quantized to int8 g32 (the table above): only the rows wanted, in their order
+        codes, scales = module.q6k_to_int8(raw if order is None else raw[order].contiguous())
+        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (out_rows, cols))
+    rows = out_rows
     order = torch.arange(rows) if order is None else order
     if name == "Q4_K":
         q, scales, mins = module.q4k_to_tiled(raw, order)
@@ -182,23 +206,67 @@ def _converted_in_cpp(t, order: torch.Tensor | None) -> PackedQuant | None:
         codes, scales = module.q8_gguf_split(raw, order)
         return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols))
     q, scales, mins = module.q4_gguf_to_tiled(raw, name == "Q4_1", order)
+    if name == "Q4_0":  # the symmetric grid: no mins (the extension returns an empty tensor)
+        return PackedQuant({"qweight": q, "scales": scales}, INT4_SYM_G32, (rows, cols), tiled=True)
     return PackedQuant({"qweight": q, "scales": scales, "mins": mins}, INT4_G32, (rows, cols), tiled=True)
 
 
-def packed_from_gguf(t, heads: int | None = None) -> PackedQuant:
+def _column_blocks(t, tp: TPSlice, cols: int, values: int) -> tuple[int, int]:
+    """The rank's input columns as a range of whole blocks of the tensor's type."""
+    c0, c1 = tp.span(cols)
+    if cols % tp.parts or c0 % values or c1 % values:
+        raise HardyError(f"--tp {tp.parts}: GGUF tensor {t.name} ({t.tensor_type.name}, {cols} columns in blocks "
+                         f"of {values}) does not split into {tp.parts} processes along whole blocks")
+    return c0 // values, c1 // values
+
+
+def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None) -> PackedQuant:
     """One quantized 2-D GGUF tensor as hardy's packed format; `heads`: undo llama.cpp's q/k row
-    permutation (hardy.formats.names.unpermute_qk) on the way."""
+    permutation (hardy.formats.names.unpermute_qk) on the way; `tp`: read only one tensor-parallel
+    rank's rows (colwise) or columns (rowwise) of it — the rest of the file is never touched."""
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
+    order = None
     if heads:
         from hardy.formats.names import unpermute_qk
 
-        order = unpermute_qk(torch.arange(int(np.prod([int(d) for d in t.shape[1:]]))), heads)
-    else:
-        order = None
-    fast = _converted_in_cpp(t, order)
-    if fast is not None:
-        return fast
-    q = _packed_in_file_order(t)
-    return q.map_rows(lambda x: x[order]) if order is not None else q
+        order = unpermute_qk(torch.arange(rows), heads)
+    if tp is not None and tp.kind == "colwise":
+        if rows % tp.parts:
+            raise HardyError(f"--tp {tp.parts}: GGUF tensor {t.name} has {rows} rows, which do not split into "
+                             f"{tp.parts} processes")
+        r0, r1 = tp.span(rows)
+        order = (torch.arange(rows) if order is None else order)[r0:r1]
+    fast = _converted_in_cpp(t, order, tp)
+    if fast is None:
+        fast = _packed_in_file_order(t)
+        if tp is not None and tp.kind == "rowwise":
+            fast = _column_slice(fast, t, tp)
+        if order is not None:
+            fast = fast.map_rows(lambda x: x[order])
+    if tp is not None:
+        fast.tp_slice = tp
+    return fast
+
+
+def _column_slice(q: PackedQuant, t, tp: TPSlice) -> PackedQuant:
+    """The numpy path's rowwise slice: whole groups of 32 of the stored tensors."""
+    rows, cols = q.shape
+    values = gguf_block_values(t)
+    b0, b1 = _column_blocks(t, tp, cols, values)
+    c0, c1 = b0 * values, b1 * values
+    stored = q.stored()
+    parts = {"qweight": stored["qweight"][:, c0 * q.spec.bits // 8:c1 * q.spec.bits // 8].contiguous()}
+    for name in ("scales", "mins"):
+        if name in stored:
+            parts[name] = stored[name][:, c0 // 32:c1 // 32].contiguous()
+    return PackedQuant(parts, q.spec, (rows, c1 - c0))
+
+
+def gguf_block_values(t) -> int:
+    """Values per block of the tensor's GGUF type (32 for the legacy types, 256 for K-quants)."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[t.tensor_type][0]
 
 
 def _packed_in_file_order(t) -> PackedQuant:
@@ -230,7 +298,9 @@ def check_unpacks(q: PackedQuant, where: str) -> None:
 
 def spec_for(type_name: str) -> QuantSpec:
     """The hardy format a quantized GGUF type loads as (see the table above)."""
-    return INT4_G32 if type_name in ("Q4_0", "Q4_1", "Q4_K") else INT8_G32
+    if type_name == "Q4_0":
+        return INT4_SYM_G32
+    return INT4_G32 if type_name in ("Q4_1", "Q4_K") else INT8_G32
 
 
 def native_layout(path) -> list[tuple[str, QuantSpec, tuple[int, int]]]:

@@ -136,16 +136,31 @@ class GGUFFile:
         start = -(-c.pos // alignment) * alignment
         self.tensors = [self._tensor(gguf, start, *info) for info in infos]
 
+    def prefetch(self, t: TensorInfo) -> None:
+        """Map a tensor's pages in one call before it is read (MADV_POPULATE_READ, Linux 5.14+), instead
+        of one page fault per 4 KB; where the kernel lacks it, reading faults them in as before."""
+        raw = getattr(self.mmap, "_mmap", None)
+        if raw is None or not hasattr(raw, "madvise"):
+            return
+        begin, length = self._pages(t)
+        try:
+            raw.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), begin, length)
+        except OSError:
+            pass
+
+    def _pages(self, t: TensorInfo) -> tuple[int, int]:
+        page = mmap.PAGESIZE
+        begin = t.data_offset // page * page
+        end = min(len(self.mmap), -(-(t.data_offset + t.n_bytes) // page) * page)
+        return begin, end - begin
+
     def release(self, t: TensorInfo) -> None:
         """Drop a tensor's pages from this process once it has been copied out (they stay in the page
         cache): a loader that re-lays tensor by tensor then holds one copy of the weights, not two."""
         raw = getattr(self.mmap, "_mmap", None)
         if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        page = mmap.PAGESIZE
-        begin = t.data_offset // page * page
-        end = min(len(self.mmap), -(-(t.data_offset + t.n_bytes) // page) * page)
-        raw.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        raw.madvise(mmap.MADV_DONTNEED, *self._pages(t))
 
     def _tensor(self, gguf, start: int, name: str, dims: list[int], qtype, offset: int) -> TensorInfo:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]

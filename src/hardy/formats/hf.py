@@ -6,12 +6,11 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hardy.errors import HardyError
 from hardy.fsio import atomic_directory
-from hardy.formats.names import from_format, to_format
+from hardy.formats.names import to_format
 from hardy.model.config import ModelConfig, RopeScaling
 
 
@@ -59,15 +58,9 @@ def config_from_hf(data: dict, path: Path) -> ModelConfig:
         raise HardyError(f"{path}: config.json lacks {e.args[0]}") from None
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise HardyError(f"{path}: cannot read safetensors file ({e})") from None
-
-
-def load_hf_dir(path: str | os.PathLike):
-    """Return (config, fp32 state dict in hardy names, tokenizer or None)."""
+def open_hf_dir(path: str | os.PathLike):
+    """(config, LazyWeights, tokenizer or None): the weights stay on disk until a tensor is asked for."""
+    from hardy.formats.lazy_weights import LazyWeights, weight_files
     from hardy.formats.tokenizer import HardyTokenizer
 
     path = Path(path)
@@ -78,21 +71,15 @@ def load_hf_dir(path: str | os.PathLike):
         cfg = config_from_hf(json.loads(cfg_file.read_text()), path)
     except json.JSONDecodeError as e:
         raise HardyError(f"{cfg_file}: malformed JSON ({e})") from None
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise HardyError(f"{path}: missing weights file {name}")
-        for key, tensor in _read_safetensors(path / name).items():
-            ours = from_format(key, "hf")
-            if ours is not None:
-                state[ours] = tensor.float()
+    weights = LazyWeights(path, weight_files(path))
     tokenizer = HardyTokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
-    return cfg, state, tokenizer
+    return cfg, weights, tokenizer
+
+
+def load_hf_dir(path: str | os.PathLike):
+    """Return (config, fp32 state dict in hardy names, tokenizer or None)."""
+    cfg, weights, tokenizer = open_hf_dir(path)
+    return cfg, {name: weights.get(name) for name in weights.names()}, tokenizer
 
 
 def save_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer, out: str | os.PathLike,

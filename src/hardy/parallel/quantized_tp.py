@@ -12,6 +12,7 @@ from torch import nn
 from hardy.compress.qlinear import QuantLinear
 from hardy.compress.quant import QuantSpec, QuantTensor
 from hardy.errors import HardyError
+from hardy.formats.gguf_quant import TPSlice
 
 
 class RowParallelQuantLinear(nn.Module):
@@ -54,14 +55,36 @@ def slice_quantized(qt: QuantTensor, kind: str, rank: int, parts: int, name: str
     return QuantTensor(qt.codes[:, c], qt.scale[:, g], None if qt.mins is None else qt.mins[:, g], qt.spec)
 
 
+def rank_slices(rank: int, parts: int, plan: dict[str, str]):
+    """name -> the TPSlice this rank loads for a matrix `plan` shards (TP_PLAN: "attention.wq" ->
+    "colwise", ...), None for the replicated ones (embeddings, LM head, norms)."""
+    def slice_for(name: str) -> TPSlice | None:
+        parts_of = name.removesuffix(".weight").split(".")
+        if len(parts_of) == 4 and parts_of[0] == "layers":
+            kind = plan.get(".".join(parts_of[2:]))
+            if kind:
+                return TPSlice(kind, rank, parts)
+        return None
+
+    return slice_for
+
+
 def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> None:
-    """Replace `block.<name>` (a QuantLinear) by this rank's slice of it."""
+    """Replace `block.<name>` (a QuantLinear) by this rank's slice of it — or, where the loader read
+    only this rank's part (`tp_slice`), wire that part up as it is."""
     from hardy.compress.kernels import prepare
 
     parent_name, _, child = name.rpartition(".")
     parent = block.get_submodule(parent_name)
     full: QuantLinear = getattr(parent, child)
-    local = QuantLinear(slice_quantized(full.quant_tensor(), kind, mesh.get_local_rank(), mesh.size(), name))
-    if full.kernel is not None:
-        prepare(local)  # the fused decode kernel, for the slice
+    want = TPSlice(kind, mesh.get_local_rank(), mesh.size())
+    if full.tp_slice is not None:
+        if full.tp_slice != want:
+            raise HardyError(f"{name}: loaded as {full.tp_slice}, but this process is {want}")
+        local = full
+    else:
+        local = QuantLinear(slice_quantized(full.quant_tensor(), kind, want.rank, want.parts, name))
+        local.tp_slice = want
+        if full.kernel is not None:
+            prepare(local)  # the fused decode kernel, for the slice
     setattr(parent, child, local if kind == "colwise" else RowParallelQuantLinear(local, mesh.get_group()))

@@ -78,6 +78,9 @@ class Hardware:
     # (the reduction dimension); None / empty: the achievable bandwidth.
     decode_bandwidth: float | None = None
     decode_bandwidth_by_width: tuple[tuple[int, float], ...] = ()
+    # Bytes/s hardy's fused int4/int8 decode kernels read quantized weights at (a probe measures it on
+    # a DRAM-sized matrix; they run nearer the copy rate than an fp32 GEMV); None: `decode_rate`.
+    quantized_decode_bandwidth: float | None = None
     # Achieved fraction of the peak by model width (training GEMMs) and by head size (causal
     # attention forward + backward), measured by a probe; empty: `flops_efficiency` for both.
     gemm_efficiency_by_width: tuple[tuple[int, float], ...] = ()
@@ -101,9 +104,12 @@ class Hardware:
     def elementwise_rate(self) -> float:
         return self.elementwise_bandwidth or self.achievable_bandwidth()
 
-    def decode_rate(self, width: int | None = None) -> float:
+    def decode_rate(self, width: int | None = None, quantized: bool = False) -> float:
         """Weight-streaming rate of decode; with measurements by width, interpolated (in log width)
-        at the model's hidden size, clamped to the measured range."""
+        at the model's hidden size, clamped to the measured range. `quantized`: int4/int8 weights
+        through hardy's kernels, at their measured rate where a probe has it."""
+        if quantized and self.quantized_decode_bandwidth:
+            return self.quantized_decode_bandwidth
         if width is None or not self.decode_bandwidth_by_width:
             return self.decode_bandwidth or self.achievable_bandwidth()
         return interpolate_log(self.decode_bandwidth_by_width, width)
@@ -142,6 +148,7 @@ class Hardware:
             memory_bytes=self.memory_bytes / processes, memory_bandwidth=self.memory_bandwidth * share,
             cores=None if self.cores is None else max(1, round(self.cores * share)), devices_per_node=processes,
             elementwise_bandwidth=scaled(self.elementwise_bandwidth), decode_bandwidth=scaled(self.decode_bandwidth),
+            quantized_decode_bandwidth=scaled(self.quantized_decode_bandwidth),
             decode_bandwidth_by_width=tuple((w, r * share) for w, r in self.decode_bandwidth_by_width))
 
 

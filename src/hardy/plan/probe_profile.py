@@ -85,6 +85,7 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
         elementwise_bandwidth=(profile.get("elementwise") or {}).get("bandwidth"),
         decode_bandwidth=(profile.get("gemv") or {}).get("bandwidth"),
         decode_bandwidth_by_width=_table(profile, "gemv", "bandwidth_by_width"),
+        quantized_decode_bandwidth=(profile.get("quant_gemv") or {}).get("bandwidth"),
         # a real layer's GEMMs (all its shapes, median rate) where the profile has them; older profiles
         # have only the one-shape benchmark of a linear layer
         gemm_efficiency_by_width=(_table(profile, "layer_gemm", "efficiency_by_width")

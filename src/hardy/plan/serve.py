@@ -16,12 +16,14 @@ from hardy.errors import HardyError
 from hardy.model.config import ModelConfig, count_parameters
 from hardy.plan.hardware import Hardware
 from hardy.plan.timing import OPS_PER_LAYER, ring_allreduce
+from hardy.plan.weights import WeightLayout
 
 GROUP = 32  # int8/int4 group size along the reduction dimension (a multiple of 32 in every Llama)
 # Bytes per weight with the quantization scales: int8 = 1 byte + one fp16 scale per group of 32
 # (hardy's planned int8 g32 layout); int4 = 4 bits + fp16 scale + fp16 zero per group (GGUF Q4_1).
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 2 / GROUP, "int4": 0.5 + 4 / GROUP}
 QUANTS = tuple(BYTES_PER_WEIGHT)
+FILE = "file"  # the weights as a quantized GGUF file holds them (hardy.plan.weights)
 KV_DTYPES = ("fp32", "fp16", "bf16", "int8")
 RESERVE = 0.10  # of device memory kept for activations, logits, allocator slack and the runtime
 SMALLER = {"fp32": ("fp16", "int8", "int4"), "fp16": ("int8", "int4"), "bf16": ("int8", "int4"),
@@ -200,9 +202,15 @@ def compute_dtype_for(quant: str, hw: Hardware) -> str:
 
 def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = "fp16", context: int = 2048,
                output_tokens: int = 256, batch: int | None = None, qps: float | None = None,
-               prompt_tokens: int | None = None, kv_dtype: str | None = None) -> ServePlan:
-    quant = _quant(quant)
-    kv_dtype = kv_dtype or ("fp32" if quant == "fp32" else "fp16")
+               prompt_tokens: int | None = None, kv_dtype: str | None = None,
+               layout: WeightLayout | None = None) -> ServePlan:
+    """`layout` (with quant="file"): the bytes of the weights as loaded from a file, per kind of matrix,
+    instead of one format for all; hardy keeps such a model's KV cache in fp32."""
+    if (quant == FILE) != (layout is not None):
+        raise HardyError("--quant file plans a quantized .gguf file as hardy loads it (give the file as --model)")
+    if layout is None:
+        quant = _quant(quant)
+    kv_dtype = kv_dtype or ("fp32" if quant in ("fp32", FILE) else "fp16")
     if kv_dtype not in KV_DTYPES:
         raise HardyError(f"unknown KV cache dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     if batch is not None and qps is not None:
@@ -222,19 +230,34 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         raise HardyError(f"--qps must be > 0 (got {qps})")
 
     s = shard(model, devices)
-    bpw = BYTES_PER_WEIGHT[quant]
-    compute = compute_dtype_for(quant, hw)
+    if layout is None:
+        bpw = BYTES_PER_WEIGHT[quant]
+        w_dev = weight_bytes(model, quant, devices)
+        w_total = weight_bytes(model, quant, 1)
+        w_read = (s.matmul + s.head) * bpw + s.norms * _norm_bytes(quant)  # the input embedding is a lookup
+        row_bytes = bpw * model.dim
+        quantized = quant in ("int8", "int4")
+    else:  # the file's own bytes, split over devices as the planned shard splits the parameters
+        full = shard(model, 1)
+        matmul = layout.matmul_bytes * s.matmul / full.matmul
+        head = layout.head_bytes * s.head / full.head
+        embedding = layout.embedding_bytes * (s.embedding / full.embedding if full.embedding else 0.0)
+        bpw = (layout.matmul_bytes + layout.head_bytes) / (full.matmul + full.head)
+        w_dev, w_total = matmul + head + embedding + layout.norm_bytes, layout.total
+        w_read = matmul + head + layout.norm_bytes
+        row_bytes = layout.embedding_bytes / model.vocab_size
+        quantized = layout.quantized
+    compute = compute_dtype_for("fp32" if layout is not None and not hw.fast_bf16 else quant, hw)
     flops_rate = hw.achievable_flops(compute)
     bandwidth = hw.achievable_bandwidth()
-    decode_bandwidth = hw.decode_rate(model.dim)  # batch-1 weight streaming (a probe measures it on CPUs)
+    # batch-1 weight streaming (a probe measures it on CPUs; quantized weights at hardy's kernels' rate)
+    decode_bandwidth = hw.decode_rate(model.dim, quantized=quantized)
     act_bytes = 4 if compute == "fp32" else 2
     link = hw.link(devices)
     ops = OPS_PER_LAYER["llama"] * model.n_layers + 20  # eager operators per forward (+ embedding, head)
     L, dim, dh = model.n_layers, model.dim, model.d_head
 
-    w_dev = weight_bytes(model, quant, devices)
-    w_read = (s.matmul + s.head) * bpw + s.norms * _norm_bytes(quant)  # the input embedding is a lookup
-    row_read = 0.0 if model.tie_embeddings else dim * bpw  # one embedding row per sequence per token
+    row_read = 0.0 if model.tie_embeddings else row_bytes  # one embedding row per sequence per token
     kv_tok_dev = kv_bytes_per_token(model, kv_dtype, s.kv_heads)
     kv_seq_dev = kv_tok_dev * context
     usable = hw.memory_bytes * (1 - RESERVE)
@@ -291,6 +314,8 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
                          f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
     batch = batch or 1
     step_s, mem_s, comp_s, disp_s, comm_s, step_bytes, step_flops = step(batch)
+    if layout is not None:
+        notes.append(f"weights as the file holds them: {layout.types}")
     if s.kv_replicated:
         notes.append(f"{model.n_kv_heads} KV heads over {devices} devices: KV heads replicated, "
                      f"{s.kv_heads} per device")
@@ -307,7 +332,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     return ServePlan(
         model=model.name, hardware=hw.name, devices=devices, quant=quant, kv_dtype=kv_dtype, compute_dtype=compute,
         context=context, prompt_tokens=prompt, output_tokens=output_tokens, batch=batch, max_batch=max_batch,
-        reserve_fraction=RESERVE, bytes_per_weight=bpw, weight_bytes=weight_bytes(model, quant, 1),
+        reserve_fraction=RESERVE, bytes_per_weight=bpw, weight_bytes=w_total,
         weight_bytes_per_device=w_dev, kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype),
         kv_heads_per_device=s.kv_heads, kv_replicated=s.kv_replicated, kv_bytes_per_sequence_per_device=kv_seq_dev,
         memory_per_device=w_dev + batch * kv_seq_dev, usable_memory_per_device=usable,
@@ -340,6 +365,9 @@ def _fits(model: ModelConfig, hw: Hardware, devices: int, quant: str, kv_dtype: 
 
 def _not_fit(model, hw, devices, quant, kv_dtype, context, need, usable) -> str:
     """One line: by how much batch 1 misses, and the device counts or quants that would fit."""
+    if quant == FILE:  # the file's own formats: only more devices change its size per device
+        return (f"{model.name} (as the file holds it) does not fit on {devices} × {hw.name}: {_gb(need)} per device "
+                f"for weights + one {context}-token sequence of KV > {_gb(usable)} usable; more --devices split it")
     ways = []
     more = next((d for d in range(devices + 1, model.n_heads + 1)
                  if model.n_heads % d == 0 and _fits(model, hw, d, quant, kv_dtype, context)), None)

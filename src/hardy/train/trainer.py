@@ -26,7 +26,7 @@ from hardy.fault.inject import FaultInjector, corrupt_file
 from hardy.fault.policy import SpikeDetector, daly_interval
 from hardy.fault.watchdog import Watchdog
 from hardy.model.config import ModelConfig, count_parameters, flops_per_token, get_preset
-from hardy.model.llama import Transformer
+from hardy.model.llama import meta_transformer
 from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
 from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
 from hardy.parallel import distributed as D
@@ -188,8 +188,7 @@ class Trainer:
         # the ranks of one tensor-parallel group must agree (their activations are replicated), the
         # data-parallel replicas should not.
         torch.manual_seed(cfg.train.seed + self.dims.dp_rank(self.env.rank))
-        with torch.device("meta"):
-            model = Transformer(self.model_cfg)
+        model = meta_transformer(self.model_cfg)
         self.mesh = build_mesh(self.dims, self.env.device.type, self.wrapper)
 
         def materialize(m, device):
@@ -499,8 +498,7 @@ def load_run_model(run_dir: Path):
     run_dir = Path(run_dir)
     resolved = json.loads((run_dir / "config.json").read_text())
     mcfg = ModelConfig.from_dict(resolved["resolved"]["model"])
-    with torch.device("meta"):
-        model = Transformer(mcfg)
+    model = meta_transformer(mcfg)
     model.to_empty(device="cpu")
     model.tie_weights()
     load_model_weights(newest_checkpoint(run_dir), model)

@@ -184,7 +184,10 @@ void run_jobs(const std::vector<Job>& jobs) {
 // r: no horizontal sums, and the scales of 8 rows apply in one vector product (llama.cpp repacks
 // Q4_0 this way; SmolLM2 int4 decode 133 -> 184 tokens/s from this alone, BENCHMARKS.md).
 // Each block also prefetches the weights PF_BYTES ahead (16 KB measured best of 4-64 KB).
+// HasMin: the asymmetric grid (code · scale + min, Q4_1); without, the symmetric one ((code − 8) · scale,
+// Q4_0), whose offset term −8 · scale · Σx needs no bytes beyond the scales: 18 instead of 20 per 32.
 constexpr int64_t PF_BYTES = 16384;
+template <bool HasMin>
 inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
                      const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid) {
   float out[8];
@@ -210,9 +213,14 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
       }
       part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(dx[b]), part);
     }
-    acc = _mm256_fmadd_ps(part, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 8 * g))), acc);
-    acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(M + 8 * g))),
-                              _mm256_set1_ps(xg[g]), acc_min);
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 8 * g)));
+    if constexpr (HasMin) {
+      acc = _mm256_fmadd_ps(part, scale, acc);
+      acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(M + 8 * g))),
+                                _mm256_set1_ps(xg[g]), acc_min);
+    } else {
+      acc = _mm256_fmadd_ps(_mm256_sub_ps(part, _mm256_set1_ps(8.f * xg[g])), scale, acc);
+    }
   }
   _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
 #else
@@ -227,7 +235,8 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
       return sum;
     };
     out[r] = scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(S[8 * g + r]); });
-    for (int64_t g = 0; g < G; ++g) out[r] += half_to_float(M[8 * g + r]) * xg[g];
+    for (int64_t g = 0; g < G; ++g)
+      out[r] += HasMin ? half_to_float(M[8 * g + r]) * xg[g] : -8.f * half_to_float(S[8 * g + r]) * xg[g];
   }
 #endif
   std::memcpy(y, out, valid * sizeof(float));
@@ -242,11 +251,13 @@ Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
   const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
   TORCH_CHECK(group % QK == 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G && scales.size(2) == 8 &&
-              mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
-              "int4 scales and mins: contiguous fp16 [tiles, groups, 8]");
+              (mins.numel() == 0 || (mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
+                                     mins.is_contiguous())),
+              "int4 scales and mins: contiguous fp16 [tiles, groups, 8] (mins empty on the symmetric grid)");
   const uint8_t* W = tiled.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const bool has_min = mins.numel() > 0;
+  const uint16_t* M = has_min ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   // Σ_g min_g · Σ_{k in g} x_k: the grid's offset needs only each group's activation sum.
   auto xg = std::make_shared<std::vector<float>>(T * G, 0.f);
   const float* XS = in.sums.data();
@@ -262,9 +273,11 @@ Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
       _mm_prefetch(first + off, _MM_HINT_T0);
 #endif
     for (int64_t i = begin; i < end; ++i)
-      for (int64_t t = 0; t < T; ++t)
-        q4_tile8(W + i * 4 * K, S + i * G * 8, M + i * G * 8, XQ + t * K, DX + t * nb, xg->data() + t * G, nb, G,
-                 bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
+      for (int64_t t = 0; t < T; ++t) {
+        const auto tile = has_min ? q4_tile8<true> : q4_tile8<false>;
+        tile(W + i * 4 * K, S + i * G * 8, has_min ? M + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
+             xg->data() + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
+      }
   };
   return Job{run, tiles};
 }
@@ -368,8 +381,9 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
   return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
 }
 
-// Row r of an int8 or tiled int4 matrix as float: code * scale (+ min), as QuantTensor does. The
-// group width is a multiple of 32, so the 32 values of a block share one scale (and min).
+// Row r of an int8 or tiled int4 matrix as float: code * scale (+ min), or (code - 8) * scale on the
+// symmetric int4 grid (M null), as QuantTensor does. The group width is a multiple of 32, so the 32
+// values of a block share one scale (and min).
 static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, const uint16_t* M, int64_t K, int64_t G,
                  int64_t group, int64_t r, float* y) {
   const int64_t nb = K / QK;
@@ -378,12 +392,13 @@ static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, 
     const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t g = b * QK / group;
-      const float s = half_to_float(S[base + g * 8]), m = half_to_float(M[base + g * 8]);
+      const float s = half_to_float(S[base + g * 8]), m = M ? half_to_float(M[base + g * 8]) : 0.f;
+      const float off = M ? 0.f : 8.f;
       for (int c = 0; c < 4; ++c)
         for (int j = 0; j < 4; ++j) {
           const uint8_t byte = w[b * 128 + 32 * c + 4 * lane + j];
-          y[b * QK + 4 * c + j] = (float)(byte & 0x0f) * s + m;
-          y[b * QK + 16 + 4 * c + j] = (float)(byte >> 4) * s + m;
+          y[b * QK + 4 * c + j] = ((float)(byte & 0x0f) - off) * s + m;
+          y[b * QK + 16 + 4 * c + j] = ((float)(byte >> 4) - off) * s + m;
         }
     }
   } else {
@@ -402,12 +417,13 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   const bool int4 = qweight.scalar_type() == at::kByte;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0);
   const int64_t G = scales.size(1), N = qweight.size(0);
-  TORCH_CHECK(K % QK == 0 && group % QK == 0 && (!int4 || (mins.sizes() == scales.sizes() && scales.dim() == 3)),
+  TORCH_CHECK(K % QK == 0 && group % QK == 0 &&
+              (!int4 || ((mins.numel() == 0 || mins.sizes() == scales.sizes()) && scales.dim() == 3)),
               "dequant_rows: int8 codes or tiled int4");
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = int4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint16_t* M = int4 && mins.numel() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* Y = out.data_ptr<float>();
@@ -430,10 +446,10 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
               out.is_contiguous() && out.dim() == 2 && out.size(1) == K && (bf16 || out.scalar_type() == at::kFloat) &&
               begin >= 0 && begin + n <= N && K % QK == 0 && group % QK == 0 &&
-              (!int4 || (mins.sizes() == scales.sizes() && scales.dim() == 3)),
+              (!int4 || ((mins.numel() == 0 || mins.sizes() == scales.sizes()) && scales.dim() == 3)),
               "dequant_range: int8 codes or tiled int4, rows in range, a contiguous fp32/bf16 [rows, K] output");
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = int4 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint16_t* M = int4 && mins.numel() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* F = bf16 ? nullptr : out.data_ptr<float>();
@@ -449,11 +465,13 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   });
 }
 
-// The GGUF converters' shared pieces: every output row names a source row that exists, and one
-// row's 16 bytes of a 32-value block (hardy's stored order) go to their places in the tile's 128.
-static void check_source_rows(const at::Tensor& order, int64_t rows) {
+// The GGUF converters' shared pieces: every output row names a source row that exists (a tensor-
+// parallel rank converts only its rows: fewer output rows than source rows), and one row's 16 bytes
+// of a 32-value block (hardy's stored order) go to their places in the tile's 128.
+static void check_source_rows(const at::Tensor& order, int64_t source_rows) {
   const int64_t* ord = order.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(ord[i] >= 0 && ord[i] < rows, "source row out of range");
+  for (int64_t i = 0, n = order.numel(); i < n; ++i)
+    TORCH_CHECK(ord[i] >= 0 && ord[i] < source_rows, "source row out of range");
 }
 
 static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* bytes) {
@@ -463,23 +481,23 @@ static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* b
 // GGUF Q4_0 / Q4_1 blocks (fp16 d [, fp16 m], 16 bytes of nibbles; `blocks` [rows, row bytes]) straight
 // into the kernel's tiled int4 layout (tile_q4 of hardy's stored layout, which is Q4_1's), output row
 // i taken from source row order[i] (the q/k unpermutation) — one pass over the file's bytes instead
-// of unpacking, re-laying and tiling in several. Q4_0's (q - 8)·d becomes min = -8·d (exact in fp16).
+// of unpacking, re-laying and tiling in several. Q4_0 keeps its grid ((q - 8)·d: no mins, mins empty).
 std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order) {
   check_on_cpu({blocks, order}, "a GGUF conversion");
-  const int64_t B = has_min ? 20 : 18, rows = blocks.size(0);
+  const int64_t B = has_min ? 20 : 18, rows = order.numel();
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % B == 0 && order.scalar_type() == at::kLong && order.numel() == rows,
-              "q4_gguf_to_tiled: contiguous uint8 [rows, blocks x bytes] and one int64 source row per row");
+              blocks.size(1) % B == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
+              "q4_gguf_to_tiled: contiguous uint8 [rows, blocks x bytes] and one int64 source row per output row");
   const int64_t nb = blocks.size(1) / B, K = nb * QK, tiles = (rows + 7) / 8;
   auto q = at::empty({tiles * 8, K / 2}, at::kByte);
   auto scales = at::empty({tiles, nb, 8}, at::kHalf);
-  auto mins = at::empty({tiles, nb, 8}, at::kHalf);
+  auto mins = has_min ? at::empty({tiles, nb, 8}, at::kHalf) : at::empty({0}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  check_source_rows(order, rows);
+  check_source_rows(order, blocks.size(0));
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* Q = q.data_ptr<uint8_t>();
   uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
-  uint16_t* M = reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>());
+  uint16_t* M = has_min ? reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   // tile by tile, so every write is sequential: block b of the tile gathers its 8 rows' bytes
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
@@ -489,21 +507,17 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
       uint8_t* out = Q + tile * 4 * K;
       for (int64_t b = 0; b < nb; ++b, out += 128) {
         uint16_t* s = S + (tile * nb + b) * 8;
-        uint16_t* m = M + (tile * nb + b) * 8;
+        uint16_t* m = has_min ? M + (tile * nb + b) * 8 : nullptr;
         for (int64_t lane = 0; lane < 8; ++lane) {
           if (!row[lane]) {  // padding rows of the last tile: zero weights, scales and mins
             for (int c = 0; c < 4; ++c) std::memset(out + 32 * c + 4 * lane, 0, 4);
-            s[lane] = m[lane] = 0;
+            s[lane] = 0;
+            if (m) m[lane] = 0;
             continue;
           }
           const uint8_t* blk = row[lane] + b * B;
           std::memcpy(s + lane, blk, 2);
-          if (has_min) {
-            std::memcpy(m + lane, blk + 2, 2);
-          } else {
-            const at::Half neg = at::Half(-8.f * half_to_float(s[lane]));
-            std::memcpy(m + lane, &neg, 2);
-          }
+          if (has_min) std::memcpy(m + lane, blk + 2, 2);
           put_tiled(out, lane, blk + (has_min ? 4 : 2));
         }
       }
@@ -515,15 +529,15 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
 // GGUF Q8_0 blocks (fp16 d, 32 int8) into hardy's int8 layout: codes [rows, K], fp16 scales [rows, K/32].
 std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order) {
   check_on_cpu({blocks, order}, "a GGUF conversion");
-  const int64_t rows = blocks.size(0);
+  const int64_t rows = order.numel();
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % 34 == 0 && order.scalar_type() == at::kLong && order.numel() == rows,
-              "q8_gguf_split: contiguous uint8 [rows, blocks x 34] and one int64 source row per row");
+              blocks.size(1) % 34 == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
+              "q8_gguf_split: contiguous uint8 [rows, blocks x 34] and one int64 source row per output row");
   const int64_t nb = blocks.size(1) / 34, K = nb * QK;
   auto codes = at::empty({rows, K}, at::kChar);
   auto scales = at::empty({rows, nb}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  check_source_rows(order, rows);
+  check_source_rows(order, blocks.size(0));
   const int64_t* ord = order.data_ptr<int64_t>();
   int8_t* C = codes.data_ptr<int8_t>();
   at::Half* S = scales.data_ptr<at::Half>();
@@ -605,16 +619,16 @@ std::vector<at::Tensor> q6k_to_int8(at::Tensor blocks) {
 // −dmin·m computed in fp32 as llama.cpp does and rounded to fp16 (as the numpy path rounds them).
 std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
   check_on_cpu({blocks, order}, "a GGUF conversion");
-  const int64_t rows = blocks.size(0);
+  const int64_t rows = order.numel();
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % 144 == 0 && order.scalar_type() == at::kLong && order.numel() == rows,
-              "q4k_to_tiled: contiguous uint8 [rows, super-blocks x 144] and one int64 source row per row");
+              blocks.size(1) % 144 == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
+              "q4k_to_tiled: contiguous uint8 [rows, super-blocks x 144] and one int64 source row per output row");
   const int64_t nsb = blocks.size(1) / 144, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
   auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
   auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
   auto mins = at::zeros({tiles, nb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  check_source_rows(order, rows);
+  check_source_rows(order, blocks.size(0));
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* Q = q.data_ptr<uint8_t>();
   at::Half* S = scales.data_ptr<at::Half>();

@@ -1,0 +1,71 @@
+"""The bytes of a model's weights as hardy holds them when they come from a file: a quantized GGUF
+loaded natively keeps each tensor in the format its type maps to (hardy.formats.gguf_quant: Q4_0 as
+symmetric int4 g32, Q4_1 / Q4_K as int4 g32 with mins, Q8_0 / Q6_K / the rest as int8 g32), and its
+float tensors in fp32. `hardy plan serve --quant file` plans with these instead of one uniform format."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardy.compress.quant import QuantSpec
+from hardy.errors import HardyError
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    matmul_bytes: float  # attention + MLP matrices of all layers (read every decode step)
+    head_bytes: float  # the LM head; the tied embedding when tied (read every step)
+    embedding_bytes: float  # an untied input embedding (one row read per token); 0 when tied
+    norm_bytes: float
+    types: str  # the file's tensor types, e.g. "Q4_0 x 225, F32 x 65"
+    quantized: bool  # any matrix quantized: decode runs hardy's int4/int8 kernels
+
+    @property
+    def total(self) -> float:
+        return self.matmul_bytes + self.head_bytes + self.embedding_bytes + self.norm_bytes
+
+
+def held_bytes(spec: QuantSpec, rows: int, cols: int) -> float:
+    """Bytes of one quantized matrix in memory: codes + an fp16 scale (and, asymmetric, an fp16 min)
+    per group (rows of int4 padded to whole tiles of 8 are ignored: < 0.1% at real sizes)."""
+    groups = spec.groups(cols)
+    per_group = 2 * (1 if spec.symmetric else 2)
+    return rows * (cols * spec.bits / 8 + groups * per_group)
+
+
+def layout_from_gguf(path) -> WeightLayout:
+    from hardy.formats.gguf_io import open_gguf
+    from hardy.formats.gguf_quant import is_quantized, spec_for
+    from hardy.formats.names import from_format
+
+    matmul = head = embedding = norms = 0.0
+    counts: dict[str, int] = {}
+    quantized = False
+    names = set()
+    for t in open_gguf(path).tensors:
+        ours = from_format(t.name, "gguf")
+        if ours is None:
+            continue
+        names.add(ours)
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        elements = 1
+        for d in t.shape:
+            elements *= int(d)
+        if is_quantized(t):
+            quantized = True
+            nbytes = held_bytes(spec_for(t.tensor_type.name), int(t.shape[1]), int(t.shape[0]))
+        else:
+            nbytes = 4.0 * elements  # float tensors load as fp32
+        if ours == "output.weight":
+            head += nbytes
+        elif ours == "tok_embeddings.weight":
+            embedding += nbytes
+        elif len(t.shape) == 2:
+            matmul += nbytes
+        else:
+            norms += nbytes
+    if not matmul:
+        raise HardyError(f"{path}: no attention or MLP matrices found")
+    if "output.weight" not in names:  # tied: the embedding table is the head
+        head, embedding = embedding, 0.0
+    types = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return WeightLayout(matmul, head, embedding, norms, types, quantized)
