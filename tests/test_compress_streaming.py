@@ -117,3 +117,31 @@ def test_streaming_writer_round_trips_and_refuses_a_wrong_tensor(tmp_path):
     with pytest.raises(HardyError, match="header says"):
         write_safetensors(tmp_path / "bad.safetensors", entries, lambda name: torch.ones(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]  # no partial file left
+
+
+def test_lazy_reader_reads_what_safetensors_wrote_and_refuses_damaged_files(tmp_path):
+    """The pread-based reader against files the `safetensors` package wrote: every tensor and row
+    range equal; a cut or garbled file is a one-line HardyError when opened or read."""
+    from safetensors.torch import save_file
+
+    from hardy.formats.lazy_weights import LazyWeights
+
+    tensors = {"model.embed_tokens.weight": torch.randn(10, 4).bfloat16(), "model.norm.weight": torch.randn(4),
+               "model.layers.0.mlp.down_proj.weight": torch.randn(4, 6).half()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    lazy = LazyWeights(tmp_path, ["model.safetensors"])
+    assert sorted(lazy.names()) == ["layers.0.feed_forward.w2.weight", "norm.weight", "tok_embeddings.weight"]
+    assert torch.equal(lazy.get("tok_embeddings.weight", dtype=None), tensors["model.embed_tokens.weight"])
+    assert torch.equal(lazy.get("layers.0.feed_forward.w2.weight"), tensors["model.layers.0.mlp.down_proj.weight"].float())
+    assert torch.equal(lazy.rows("tok_embeddings.weight", 3, 7), tensors["model.embed_tokens.weight"][3:7].float())
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for case, data in {"cut header": raw[:20], "huge header": (2 ** 40).to_bytes(8, "little") + raw[8:],
+                       "not json": raw[:8] + b"{" * (len(raw) - 8)}.items():
+        (bad / "model.safetensors").write_bytes(data)
+        with pytest.raises(HardyError, match="cannot read safetensors"):
+            LazyWeights(bad, ["model.safetensors"])
+    (bad / "model.safetensors").write_bytes(raw[:-8])  # the last tensor's bytes cut: refused at open
+    with pytest.raises(HardyError, match="malformed header entry"):
+        LazyWeights(bad, ["model.safetensors"])

@@ -1,7 +1,7 @@
-"""Safetensors weights one tensor at a time: a lazy reader over a Hugging Face directory's files
-(memory-mapped by `safetensors.safe_open`; a tensor is read when asked for, in its stored dtype) and
-a streaming writer that never holds more than one tensor (`safetensors.torch.save_file` takes them
-all at once: 16 GB of bf16 for an 8B model).
+"""Safetensors weights one tensor at a time: a lazy reader over a Hugging Face directory's files (a
+tensor is read with pread when asked for, in its stored dtype; the files are not memory-mapped, so
+pages read stay out of the process's resident memory) and a streaming writer that never holds more
+than one tensor (`safetensors.torch.save_file` takes them all at once: 16 GB of bf16 for an 8B model).
 
 The writer follows the format's specification (huggingface/safetensors): an 8-byte little-endian
 header length, the JSON header (dtype, shape, data offsets per tensor; padded with spaces to a
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from hardy.errors import HardyError
 from hardy.formats.names import from_format
@@ -26,23 +25,76 @@ DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
                torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64"}
 
 
+TORCH_DTYPES = {**{v: k for k, v in DTYPE_NAMES.items()}, "F64": torch.float64, "BOOL": torch.bool}
+MAX_HEADER = 100 * 2 ** 20  # the format's own limit on the JSON header
+
+
+class _File:
+    """One safetensors file's header, and reads of its tensors with pread: the file is not mapped,
+    so what a compression has read of an 8B model does not stay in its resident memory (with
+    `safe_open`'s map, each tensor's pages stayed: RSS grew by the file's 16 GB)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+            size = os.fstat(self.fd).st_size
+            n = struct.unpack("<Q", os.pread(self.fd, 8, 0))[0] if size >= 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise ValueError(f"header length {n} in a {size}-byte file")
+            header = json.loads(os.pread(self.fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (OSError, ValueError, struct.error) as e:
+            raise HardyError(f"{path}: cannot read safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for key, info in header.items():
+            try:
+                dtype, shape = TORCH_DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
+                begin, end = (int(v) for v in info["data_offsets"])
+                nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or 8 + n + end > size:
+                    raise ValueError
+            except (KeyError, TypeError, ValueError):
+                raise HardyError(f"{path}: tensor {key!r} has a malformed header entry {info!r}") from None
+            self.tensors[key] = (dtype, shape, 8 + n + begin, nbytes)
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def read(self, key: str, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
+        dtype, shape, offset, nbytes = self.tensors[key]
+        if rows is not None:  # a range of rows of a 2-D (or higher) tensor
+            row_bytes = nbytes // shape[0] if shape and shape[0] else 0
+            offset, nbytes, shape = offset + first_row * row_bytes, rows * row_bytes, (rows, *shape[1:])
+        buf = bytearray(nbytes)
+        view, done = memoryview(buf), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise HardyError(f"{self.path}: tensor {key} is cut short (file truncated?)")
+            done += got
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class LazyWeights:
     """hardy name -> tensor, read from the directory's safetensors files only when asked for."""
 
     def __init__(self, path: Path, files: Iterable[str]):
         self.path = Path(path)
-        self._handles = {}
+        self._files: dict[str, _File] = {}
         self._where: dict[str, tuple[str, str]] = {}  # hardy name -> (file, key in the file)
         for name in files:
             file = self.path / name
             if not file.is_file():
                 raise HardyError(f"{self.path}: missing weights file {name}")
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise HardyError(f"{file}: cannot read safetensors file ({e})") from None
-            self._handles[name] = handle
-            for key in handle.keys():
+            self._files[name] = _File(file)
+            for key in self._files[name].tensors:
                 ours = from_format(key, "hf")
                 if ours is not None:
                     self._where[ours] = (name, key)
@@ -53,25 +105,29 @@ class LazyWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """The tensor (a fresh copy out of the mapped file), converted to `dtype` (None: as stored)."""
+    def _locate(self, name: str) -> tuple[_File, str]:
         if name not in self._where:
             raise HardyError(f"{self.path}: no weights for {name}")
         file, key = self._where[name]
-        try:
-            t = self._handles[file].get_tensor(key)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise HardyError(f"{self.path / file}: cannot read tensor {key} ({e})") from None
+        return self._files[file], key
+
+    def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """The tensor (read from the file now), converted to `dtype` (None: as stored)."""
+        file, key = self._locate(name)
+        t = file.read(key)
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor, reading only those bytes."""
-        file, key = self._where[name]
-        return self._handles[file].get_slice(key)[start:stop].to(dtype)
+        file, key = self._locate(name)
+        rows = self.shape(name)[0]
+        if not 0 <= start <= stop <= rows:
+            raise HardyError(f"{self.path}: rows {start}:{stop} of {name} (it has {rows})")
+        return file.read(key, start, stop - start).to(dtype)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        file, key = self._where[name]
-        return tuple(self._handles[file].get_slice(key).get_shape())
+        file, key = self._locate(name)
+        return file.tensors[key][1]
 
 
 def weight_files(path: Path) -> list[str]:
