@@ -27,7 +27,8 @@ FORMAT = "hardy.quant/1"
 MANIFEST = "quantization.json"
 PACKING = ("4-bit: two codes per byte in blocks of 32 input columns, byte j = code j (low nibble) | "
            "code j+16 (high nibble); 8-bit: int8 codes (symmetric: w = code * scale); 3-bit: one uint8 code "
-           "per byte; asymmetric: w = code * scale + min; scale/min fp16 per (row, group), computed in fp32")
+           "per byte; asymmetric: w = code * scale + min; symmetric below 8 bits: w = (code - 2^(bits-1)) * "
+           "scale, no mins; scale/min fp16 per (row, group), computed in fp32")
 
 
 def is_compressed_dir(path: Path) -> bool:
