@@ -20,16 +20,28 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    """durable=False skips the fsync: for files a later step fsyncs before marking them complete."""
+@contextmanager
+def atomic_file(path: str | os.PathLike, durable: bool = True):
+    """An open binary file whose contents appear at `path` only once the block completes (temporary
+    sibling, fsync unless durable=False, rename); on an exception the temporary is removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """durable=False skips the fsync: for files a later step fsyncs before marking them complete."""
+    with atomic_file(path, durable) as f:
         f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: dict, durable: bool = True) -> None:

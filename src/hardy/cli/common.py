@@ -60,10 +60,9 @@ def load_from_args(args, need_tokenizer: bool = True):
     set_threads(getattr(args, "threads", None))
     tp_slices = None
     if getattr(args, "tp", 1) > 1 and "RANK" in os.environ:  # a --tp worker: read only this rank's slices
-        from hardy.parallel.parallelize import TP_PLAN  # start-up time: torch.distributed only for --tp
-        from hardy.parallel.quantized_tp import rank_slices
+        from hardy.parallel.quantized_tp import rank_slices  # start-up time: torch.distributed only for --tp
 
-        tp_slices = rank_slices(int(os.environ["RANK"]), args.tp, TP_PLAN)
+        tp_slices = rank_slices(int(os.environ["RANK"]), args.tp)
     loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args),
                         gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty(),
                         tp_slices=tp_slices)

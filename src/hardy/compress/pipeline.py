@@ -295,29 +295,43 @@ def _compress_block(block, li: int, x: torch.Tensor, cos, sin, chunk: int, cfg: 
     _propagate(block, x, cos, sin, chunk)
 
 
+def _calibration(cfg: CompressConfig, calib: torch.Tensor | None, mcfg) -> torch.Tensor:
+    """The calibration tokens, with the checks both entry points share (data-free methods get a few
+    seeded random tokens: they only feed the error report)."""
+    if cfg.needs_calibration and calib is None:
+        raise HardyError(f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs calibration text "
+                         "(--calib-data)")
+    if cfg.blocks and max(cfg.blocks) >= mcfg.n_layers:
+        raise HardyError(f"blocks {cfg.blocks}: the model has {mcfg.n_layers} blocks")
+    if calib is None:
+        calib = torch.randint(0, mcfg.vocab_size, (4, min(64, mcfg.max_seq_len)),
+                              generator=torch.Generator().manual_seed(cfg.seed))
+    return calib
+
+
+def _tables(cfg: CompressConfig, mcfg) -> tuple[QuantSpec | None, list[str]]:
+    """How the embedding table and an untied LM head are quantized (RTN: a lookup table has no
+    calibration input; None: kept dense — also when only some `blocks` are compressed), and their names."""
+    names = ["tok_embeddings.weight"] + ([] if mcfg.tie_embeddings else ["output.weight"])
+    if cfg.embeddings == "dense" or cfg.quant is None or cfg.blocks:
+        return None, names
+    return (EMBEDDING_INT8 if cfg.embeddings == "int8" else cfg.spec()), names
+
+
 def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progress: bool = True) -> CompressResult:
     """Compress `model` (fp32, modified in place: it ends up holding the dequantized weights)."""
     from tqdm import tqdm
 
-    if cfg.needs_calibration and calib is None:
-        raise HardyError(f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs calibration text "
-                         "(--calib-data)")
-    spec = cfg.spec() if cfg.quant else None
     mcfg = model.cfg
     quantized: dict[str, QuantTensor] = {}
     reports: list[LayerReport] = []
     with torch.no_grad():
-        if calib is None:  # data-free methods: a few random tokens only feed the error report
-            calib = torch.randint(0, mcfg.vocab_size, (4, min(64, mcfg.max_seq_len)),
-                                  generator=torch.Generator().manual_seed(cfg.seed))
-        calib = calib.to(compute_device(model))  # the calibration runs where the model is
+        calib = _calibration(cfg, calib, mcfg).to(compute_device(model))  # calibrated where the model is
         seq = calib.shape[1]
         model.reset_rope(max(seq, model._rope_len))
         cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
         x = model.tok_embeddings(calib).float()
         chunk = max(1, 8192 // seq)
-        if cfg.blocks and max(cfg.blocks) >= len(model.layers):
-            raise HardyError(f"blocks {cfg.blocks}: the model has {len(model.layers)} blocks")
         bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
         for li, block in enumerate(model.layers):
             if cfg.blocks and li not in cfg.blocks:
@@ -326,20 +340,14 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
                 _compress_block(block, li, x, cos, sin, chunk, cfg, mcfg, quantized, reports)
             bar.update()
         bar.close()
-        if cfg.embeddings != "dense" and cfg.quant is not None and not cfg.blocks:  # `blocks`: only those
-            emb_spec = EMBEDDING_INT8 if cfg.embeddings == "int8" else spec
-            emb = model.tok_embeddings.weight
-            q = rtn(emb.detach().float(), emb_spec)  # no calibration input for a lookup table: RTN
-            quantized["tok_embeddings.weight"] = q
-            emb.copy_(q.dequantize())
-            if not mcfg.tie_embeddings:
-                out = model.output.weight
-                qo = rtn(out.detach().float(), emb_spec)
-                quantized["output.weight"] = qo
-                out.copy_(qo.dequantize())
+        table_spec, tables = _tables(cfg, mcfg)
+        if table_spec is not None:
+            for name in tables:
+                weight = model.get_parameter(name)
+                quantized[name] = q = rtn(weight.detach().float(), table_spec)
+                weight.copy_(q.dequantize())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return CompressResult(quantized=quantized, state=state, reports=reports)
-
 
 EMBEDDING_ROWS = 8192  # rows of an embedding table / LM head quantized at a time from disk
 
@@ -367,24 +375,17 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
 
     from hardy.model.llama import meta_transformer
 
-    if cfg.needs_calibration and calib is None:
-        raise HardyError(f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs calibration text "
-                         "(--calib-data)")
+    calib = _calibration(cfg, calib, mcfg)
     model = meta_transformer(mcfg)  # the structure; each block is materialized in turn
     quantized: dict = {}
     reports: list[LayerReport] = []
     state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        if calib is None:
-            calib = torch.randint(0, mcfg.vocab_size, (4, min(64, mcfg.max_seq_len)),
-                                  generator=torch.Generator().manual_seed(cfg.seed))
         seq = calib.shape[1]
         model.reset_rope(seq, device="cpu")
         cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
         x = weights.get("tok_embeddings.weight", dtype=None)[calib].float()  # only the rows looked up
         chunk = max(1, 8192 // seq)
-        if cfg.blocks and max(cfg.blocks) >= mcfg.n_layers:
-            raise HardyError(f"blocks {cfg.blocks}: the model has {mcfg.n_layers} blocks")
         bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
         for li, block in enumerate(model.layers):
             block.to_empty(device="cpu")
@@ -402,10 +403,10 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
             bar.update()
         bar.close()
         state["norm.weight"] = weights.get("norm.weight")
-        heads = ["tok_embeddings.weight"] + ([] if mcfg.tie_embeddings else ["output.weight"])
-        for name in heads:
-            if cfg.embeddings != "dense" and cfg.quant is not None and not cfg.blocks:
-                quantized[name] = _rtn_rows(weights, name, EMBEDDING_INT8 if cfg.embeddings == "int8" else cfg.spec())
+        table_spec, tables = _tables(cfg, mcfg)
+        for name in tables:
+            if table_spec is not None:
+                quantized[name] = _rtn_rows(weights, name, table_spec)
             else:
                 state[name] = weights.get(name)
     return CompressResult(quantized=quantized, state=state, reports=reports)

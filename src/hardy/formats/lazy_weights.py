@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -20,11 +19,10 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.formats.names import from_format
+from hardy.fsio import atomic_file
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
                torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64"}
-
-
 TORCH_DTYPES = {**{v: k for k, v in DTYPE_NAMES.items()}, "F64": torch.float64, "BOOL": torch.bool}
 MAX_HEADER = 100 * 2 ** 20  # the format's own limit on the JSON header
 
@@ -53,7 +51,7 @@ class _File:
             try:
                 dtype, shape = TORCH_DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
                 begin, end = (int(v) for v in info["data_offsets"])
-                nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+                nbytes = torch.Size(shape).numel() * dtype.itemsize
                 if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or 8 + n + end > size:
                     raise ValueError
             except (KeyError, TypeError, ValueError):
@@ -149,7 +147,7 @@ def write_safetensors(out: str | os.PathLike, entries: list[tuple[str, torch.dty
     for name, dtype, shape in entries:
         if dtype not in DTYPE_NAMES:
             raise HardyError(f"safetensors writer: unsupported dtype {dtype} for {name}")
-        size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        size = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     if metadata:
@@ -157,22 +155,14 @@ def write_safetensors(out: str | os.PathLike, entries: list[tuple[str, torch.dty
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     out = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name, dtype, shape in entries:
-                t = make(name)
-                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                    raise HardyError(f"safetensors writer: {name} is {t.dtype} {tuple(t.shape)}, "
-                                     f"the header says {dtype} {tuple(shape)}")
-                if t.numel():
-                    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out) as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, dtype, shape in entries:
+            t = make(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise HardyError(f"safetensors writer: {name} is {t.dtype} {tuple(t.shape)}, "
+                                 f"the header says {dtype} {tuple(shape)}")
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     return out

@@ -49,12 +49,11 @@ def cpu_only(args) -> None:
 def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
     """Refuse, before any process starts, a degree the model cannot be split into."""
     import json
-    import re
     from pathlib import Path
 
     from hardy.compress.quant import QuantSpec
     from hardy.compress.store import MANIFEST, is_compressed_dir
-    from hardy.parallel.parallelize import TP_PLAN, check_tp_degree
+    from hardy.parallel.parallelize import check_tp_degree, tp_kind
     from hardy.parallel.quantized_tp import check_split
 
     check_tp_degree(cfg, tp)
@@ -65,14 +64,14 @@ def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
         kind, path = resolve_source(spec)
         if kind == "gguf":
             for name, qspec, shape in native_layout(path):
-                kind = TP_PLAN.get(re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight"))
+                kind = tp_kind(name)
                 if kind:
                     check_split(name, qspec, shape, kind, tp)
     if is_compressed_dir(Path(spec)):
         try:
             tensors = json.loads((Path(spec) / MANIFEST).read_text())["tensors"]
             for name, entry in tensors.items():
-                kind = TP_PLAN.get(re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight"))
+                kind = tp_kind(name)
                 if kind:
                     check_split(name, QuantSpec.from_dict(entry), tuple(entry["shape"]), kind, tp)
         except (OSError, ValueError, KeyError, TypeError) as e:

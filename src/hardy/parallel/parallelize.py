@@ -8,6 +8,7 @@ sharded run starts from exactly the weights of a single-process run.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,12 @@ def build_mesh(dims: ParallelDims, device_type: str, wrap: str | None = None):
 TP_PLAN = {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
            "attention.wo": "rowwise", "feed_forward.w1": "colwise", "feed_forward.w3": "colwise",
            "feed_forward.w2": "rowwise"}
+
+
+def tp_kind(name: str) -> str | None:
+    """How TP_PLAN splits a block's matrix given by parameter or module name ("layers.3.attention.wq.weight"
+    -> "colwise"); None for what stays replicated (embeddings, LM head, norms)."""
+    return TP_PLAN.get(re.sub(r"^layers\.\d+\.", "", name).removesuffix(".weight"))
 
 
 def check_tp_degree(cfg, tp: int) -> None:

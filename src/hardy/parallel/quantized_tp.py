@@ -13,6 +13,7 @@ from hardy.compress.qlinear import QuantLinear
 from hardy.compress.quant import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import TPSlice
+from hardy.parallel.parallelize import tp_kind
 
 
 class RowParallelQuantLinear(nn.Module):
@@ -46,7 +47,7 @@ def slice_quantized(qt: QuantTensor, kind: str, rank: int, parts: int, name: str
     check_split(name, qt.spec, qt.shape, kind, parts)
     out, cols = qt.shape
     if kind == "colwise":
-        rows = slice(rank * out // parts, (rank + 1) * out // parts)
+        rows = slice(*TPSlice(kind, rank, parts).span(out))
         return QuantTensor(qt.codes[rows], qt.scale[rows], None if qt.mins is None else qt.mins[rows], qt.spec)
     width, local = qt.spec.group_width(cols), cols // parts
     c = slice(rank * local, (rank + 1) * local)
@@ -55,16 +56,12 @@ def slice_quantized(qt: QuantTensor, kind: str, rank: int, parts: int, name: str
     return QuantTensor(qt.codes[:, c], qt.scale[:, g], None if qt.mins is None else qt.mins[:, g], qt.spec)
 
 
-def rank_slices(rank: int, parts: int, plan: dict[str, str]):
-    """name -> the TPSlice this rank loads for a matrix `plan` shards (TP_PLAN: "attention.wq" ->
-    "colwise", ...), None for the replicated ones (embeddings, LM head, norms)."""
+def rank_slices(rank: int, parts: int):
+    """name -> the TPSlice this rank loads for a matrix TP_PLAN shards, None for the replicated ones
+    (embeddings, LM head, norms)."""
     def slice_for(name: str) -> TPSlice | None:
-        parts_of = name.removesuffix(".weight").split(".")
-        if len(parts_of) == 4 and parts_of[0] == "layers":
-            kind = plan.get(".".join(parts_of[2:]))
-            if kind:
-                return TPSlice(kind, rank, parts)
-        return None
+        kind = tp_kind(name)
+        return TPSlice(kind, rank, parts) if kind else None
 
     return slice_for
 

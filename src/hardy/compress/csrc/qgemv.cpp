@@ -265,6 +265,7 @@ Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
     for (int64_t b = 0; b < nb; ++b) (*xg)[t * G + b / bpg] += XS[t * nb + b];
   const int8_t* XQ = in.codes.data();
   const float* DX = in.scales.data();
+  const auto tile = has_min ? q4_tile8<true> : q4_tile8<false>;  // the grid, chosen once per matrix
   auto run = [=](int64_t begin, int64_t end) {
 #ifdef HARDY_AVX2
     // the tiles' own prefetch runs PF_BYTES ahead: start the first PF_BYTES of this range now
@@ -274,7 +275,6 @@ Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
 #endif
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < T; ++t) {
-        const auto tile = has_min ? q4_tile8<true> : q4_tile8<false>;
         tile(W + i * 4 * K, S + i * G * 8, has_min ? M + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
              xg->data() + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
       }
@@ -465,13 +465,22 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   });
 }
 
-// The GGUF converters' shared pieces: every output row names a source row that exists (a tensor-
-// parallel rank converts only its rows: fewer output rows than source rows), and one row's 16 bytes
-// of a 32-value block (hardy's stored order) go to their places in the tile's 128.
-static void check_source_rows(const at::Tensor& order, int64_t source_rows) {
+// The GGUF converters' shared pieces: their input is [source rows, blocks x bytes] on the CPU and every
+// output row names a source row that exists (a tensor-parallel rank converts only its rows: fewer
+// output rows than source rows); one row's 16 bytes of a 32-value block (hardy's stored order) go to
+// their places in the tile's 128.
+// Returns the number of output rows.
+static int64_t check_gguf_input(const at::Tensor& blocks, const at::Tensor& order, int64_t block_bytes,
+                                const char* what) {
+  check_on_cpu({blocks, order}, "a GGUF conversion");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) % block_bytes == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
+              what, ": contiguous uint8 [rows, blocks x ", block_bytes,
+              " bytes] and one int64 source row per output row");
   const int64_t* ord = order.data_ptr<int64_t>();
   for (int64_t i = 0, n = order.numel(); i < n; ++i)
-    TORCH_CHECK(ord[i] >= 0 && ord[i] < source_rows, "source row out of range");
+    TORCH_CHECK(ord[i] >= 0 && ord[i] < blocks.size(0), "source row out of range");
+  return order.numel();
 }
 
 static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* bytes) {
@@ -483,17 +492,12 @@ static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* b
 // i taken from source row order[i] (the q/k unpermutation) — one pass over the file's bytes instead
 // of unpacking, re-laying and tiling in several. Q4_0 keeps its grid ((q - 8)·d: no mins, mins empty).
 std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order) {
-  check_on_cpu({blocks, order}, "a GGUF conversion");
-  const int64_t B = has_min ? 20 : 18, rows = order.numel();
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % B == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
-              "q4_gguf_to_tiled: contiguous uint8 [rows, blocks x bytes] and one int64 source row per output row");
+  const int64_t B = has_min ? 20 : 18, rows = check_gguf_input(blocks, order, B, "q4_gguf_to_tiled");
   const int64_t nb = blocks.size(1) / B, K = nb * QK, tiles = (rows + 7) / 8;
   auto q = at::empty({tiles * 8, K / 2}, at::kByte);
   auto scales = at::empty({tiles, nb, 8}, at::kHalf);
   auto mins = has_min ? at::empty({tiles, nb, 8}, at::kHalf) : at::empty({0}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  check_source_rows(order, blocks.size(0));
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* Q = q.data_ptr<uint8_t>();
   uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
@@ -528,16 +532,11 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
 
 // GGUF Q8_0 blocks (fp16 d, 32 int8) into hardy's int8 layout: codes [rows, K], fp16 scales [rows, K/32].
 std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order) {
-  check_on_cpu({blocks, order}, "a GGUF conversion");
-  const int64_t rows = order.numel();
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % 34 == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
-              "q8_gguf_split: contiguous uint8 [rows, blocks x 34] and one int64 source row per output row");
+  const int64_t rows = check_gguf_input(blocks, order, 34, "q8_gguf_split");
   const int64_t nb = blocks.size(1) / 34, K = nb * QK;
   auto codes = at::empty({rows, K}, at::kChar);
   auto scales = at::empty({rows, nb}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  check_source_rows(order, blocks.size(0));
   const int64_t* ord = order.data_ptr<int64_t>();
   int8_t* C = codes.data_ptr<int8_t>();
   at::Half* S = scales.data_ptr<at::Half>();
@@ -618,17 +617,12 @@ std::vector<at::Tensor> q6k_to_int8(at::Tensor blocks) {
 // codes unchanged (re-paired into hardy's nibble order), each sub-block's scale d·sc and min
 // −dmin·m computed in fp32 as llama.cpp does and rounded to fp16 (as the numpy path rounds them).
 std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
-  check_on_cpu({blocks, order}, "a GGUF conversion");
-  const int64_t rows = order.numel();
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % 144 == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
-              "q4k_to_tiled: contiguous uint8 [rows, super-blocks x 144] and one int64 source row per output row");
+  const int64_t rows = check_gguf_input(blocks, order, 144, "q4k_to_tiled");
   const int64_t nsb = blocks.size(1) / 144, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
   auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
   auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
   auto mins = at::zeros({tiles, nb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  check_source_rows(order, blocks.size(0));
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* Q = q.data_ptr<uint8_t>();
   at::Half* S = scales.data_ptr<at::Half>();
