@@ -238,9 +238,9 @@ def test_q6_k_in_cpp_equals_the_numpy_requantization():
     qtype = gguf.GGMLQuantizationType.Q6_K
     t = _fake_tensor(qtype, 5, _random_blocks(qtype, 5, 768, (208,), seed=3))
     fast, slow = packed_from_gguf(t), _requantized(t)
-    assert fast.spec == slow.spec == INT8_G32
-    assert torch.equal(fast.parts["qweight"], slow.parts["qweight"])
-    assert torch.equal(fast.parts["scales"], slow.parts["scales"])
+    assert fast.spec == slow.spec == INT8_G32 and fast.tiled and not slow.tiled
+    assert torch.equal(fast.stored()["qweight"], slow.parts["qweight"])
+    assert torch.equal(fast.stored()["scales"], slow.parts["scales"])
 
 
 def test_q4_k_in_cpp_equals_the_numpy_conversion():

@@ -48,8 +48,8 @@ def test_exact_on_grid_activations_and_close_otherwise(ext, spec):
     assert kernel(x[None]).shape == (1, 4, 96)
 
 
-def test_int4_tiled_layout_is_a_lossless_relayout(ext):
-    """The kernel re-lays int4 weights in tiles of 8 interleaved rows (padded): state_dict(), the
+def test_tiled_layout_is_a_lossless_relayout(ext):
+    """The kernel re-lays int4 and int8 weights in tiles of 8 interleaved rows (padded): state_dict(), the
     stored tensors, row lookups and embeddings give back exactly the stored layout, a state dict
     loads into a tiled layer, and a row count that is not a multiple of 8 computes correctly."""
     from hardy.compress.qlinear import QuantEmbedding
@@ -72,25 +72,33 @@ def test_int4_tiled_layout_is_a_lossless_relayout(ext):
     other.load_state_dict(stored)
     assert torch.equal(other.qweight, layer.qweight) and torch.equal(other.dequantized_weight(), weight)
 
-    sym = _layer(QuantSpec(4, 32, True), out=100)  # the symmetric grid: no mins, tiled the same way
-    sym_stored = {k: v.clone() for k, v in sym.state_dict().items()}
-    sym_weight = sym.dequantized_weight()
-    sym_kernel = kernels.make_kernel(sym, ext)
-    assert sym.tiled and sym.mins is None and set(sym_stored) == {"qweight", "scales"}
-    assert all(torch.equal(v, sym_stored[k]) for k, v in sym.state_dict().items())
-    assert torch.equal(sym.dequantized_weight(), sym_weight)
-    assert float((sym_kernel(x) - x @ sym_weight.t()).norm() / (x @ sym_weight.t()).norm()) < 1e-2
-    sym_other = _layer(QuantSpec(4, 32, True), out=100, seed=1)
-    kernels.make_kernel(sym_other, ext)
-    sym_other.load_state_dict(sym_stored)
-    assert torch.equal(sym_other.dequantized_weight(), sym_weight)
+    # the symmetric int4 grid (no mins) and int8 (per group, per channel): tiled the same way
+    for spec in (QuantSpec(4, 32, True), QuantSpec(8, 32), QuantSpec(8, 0)):
+        other_layer = _layer(spec, out=100)
+        other_stored = {k: v.clone() for k, v in other_layer.state_dict().items()}
+        other_weight = other_layer.dequantized_weight()
+        other_kernel = kernels.make_kernel(other_layer, ext)
+        groups = spec.groups(576)
+        assert other_layer.tiled and other_layer.mins is None and set(other_stored) == {"qweight", "scales"}
+        assert other_layer.scales.shape == (13, groups, 8)
+        assert other_layer.qweight.shape == (104, 288 if spec.bits == 4 else 576)
+        assert not torch.equal(other_layer.qweight[:100], other_stored["qweight"])
+        assert all(torch.equal(v, other_stored[k]) for k, v in other_layer.state_dict().items())
+        assert torch.equal(other_layer.dequantized_weight(), other_weight)
+        assert all(torch.equal(v, other_stored[k][rows]) for k, v in other_layer.stored(rows).items())
+        ref = x @ other_weight.t()
+        assert float((other_kernel(x) - ref).norm() / ref.norm()) < 1e-2
+        reloaded = _layer(spec, out=100, seed=1)
+        kernels.make_kernel(reloaded, ext)
+        reloaded.load_state_dict(other_stored)
+        assert torch.equal(reloaded.dequantized_weight(), other_weight)
 
     for spec in (QuantSpec(4, 32), QuantSpec(4, 32, True), QuantSpec(8, 0)):  # lookups then C++ dequantization
         emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, spec))
         tokens = torch.tensor([[3, 59], [56, 0]])
         before = emb(tokens)
         kernels.make_kernel(emb.table, ext)
-        assert emb.table.lookup is not None and emb.table.tiled == (spec.bits == 4)
+        assert emb.table.lookup is not None and emb.table.tiled
         assert torch.equal(emb(tokens), before)
 
 

@@ -93,22 +93,23 @@ def supports(layer) -> bool:
     return spec.bits == 4 or (spec.bits == 8 and spec.symmetric)  # int4: with mins (Q4_1 grid) or without (Q4_0)
 
 
-TILE = 8  # int4 rows interleaved per tile (csrc/qgemv.cpp, q4_job)
+TILE = 8  # rows interleaved per tile (csrc/qgemv.cpp, q4_job and q8_job)
 
 
-def tile_q4(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """int4 qweight/scales[/mins] from the stored layout (rows of GGUF Q4 blocks, [rows, groups]) to
-    the kernel's: rows padded to a multiple of 8 with zeros, each tile's block as the 4-byte groups
-    of its 8 rows in turn, scales and mins [tiles, groups, 8] (no mins on the symmetric grid). A byte
-    permutation: nothing is re-quantized, and `untile_q4` restores the stored tensors exactly."""
+def tile_codes(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int4 or int8 qweight/scales[/mins] from the stored layout ([rows, bytes]: GGUF Q4 blocks or
+    int8 codes; [rows, groups]) to the kernel's: rows padded to a multiple of 8 with zeros, each
+    tile's row bytes as 4-byte chunks of its 8 rows in turn, scales and mins [tiles, groups, 8] (no
+    mins on a symmetric grid). A byte permutation: nothing is re-quantized, and `untile_codes`
+    restores the stored tensors exactly."""
     q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
-    rows, half = q.shape
+    rows, width = q.shape
     pad = -rows % TILE
     if pad:
-        q = torch.cat([q, q.new_zeros(pad, half)])
+        q = torch.cat([q, q.new_zeros(pad, width)])
         per_group = {k: torch.cat([t, t.new_zeros(pad, t.shape[1])]) for k, t in per_group.items()}
     tiles = q.shape[0] // TILE
-    out = {"qweight": q.view(tiles, TILE, half // 16, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE, half)}
+    out = {"qweight": q.view(tiles, TILE, width // 4, 4).transpose(1, 2).reshape(tiles * TILE, width)}
     out.update({k: t.view(tiles, TILE, -1).transpose(1, 2).contiguous() for k, t in per_group.items()})
     return out
 
@@ -116,20 +117,20 @@ def tile_q4(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """The stored-layout tensors of the given rows only (embedding lookups read a few rows)."""
     q = tiled["qweight"]
-    half = q.shape[1]
+    width = q.shape[1]
     tile, lane = rows // TILE, rows % TILE
-    out = {"qweight": q.view(-1, half // 16, 4, TILE, 4)[tile, :, :, lane].reshape(-1, half)}
+    out = {"qweight": q.view(-1, width // 4, TILE, 4)[tile, :, lane].reshape(-1, width)}
     for name in ("scales", "mins"):
         if name in tiled:
             out[name] = tiled[name][tile, :, lane]
     return out
 
 
-def untile_q4(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
     """All rows back in the stored layout (the inverse permutation: one copy, no gather)."""
     q = tiled["qweight"]
-    padded, half = q.shape
-    out = {"qweight": q.view(padded // TILE, half // 16, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(padded, half)}
+    padded, width = q.shape
+    out = {"qweight": q.view(padded // TILE, width // 4, TILE, 4).transpose(1, 2).reshape(padded, width)}
     for name in ("scales", "mins"):
         if name in tiled:
             out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
@@ -145,12 +146,11 @@ def kernel_tensors(layer) -> list[torch.Tensor]:
 
 
 def make_kernel(layer, module):
-    """x [..., in] -> [..., out] for a supported layer (an int4 one is re-laid in the kernel's tiled
-    layout, in place of the stored one). Decode calls this ~200 times per token (SmolLM2), so the
+    """x [..., in] -> [..., out] for a supported layer (re-laid in the kernel's tiled layout, in place
+    of the stored one). Decode calls this ~200 times per token (SmolLM2), so the
     common case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
     group, rows = kernel_group(layer), layer.out_features
-    if layer.spec.bits == 4:
-        layer.use_tiled_layout()
+    layer.use_tiled_layout()
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.is_contiguous():

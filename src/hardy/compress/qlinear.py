@@ -45,7 +45,7 @@ class QuantLinear(nn.Module):
         self.lookup = None
         self.dequant_range = None  # (first row, out slab) -> None: the C++ prefill dequantization
         self.prefill_dtype = torch.float32  # see set_prefill_dtype
-        # int4 tensors re-laid for the kernel (prepare, or a GGUF loader that writes that layout
+        # codes re-laid for the kernel (prepare, or a GGUF loader that writes that layout
         # directly); state_dict() stays in the stored layout
         self.tiled = bool(getattr(qt, "tiled", False))
         # a tensor-parallel rank's part, read as such by the loader (hardy.formats.gguf_quant.TPSlice):
@@ -62,21 +62,21 @@ class QuantLinear(nn.Module):
         return {name: getattr(self, name) for name in ("qweight", "scales", "mins") if getattr(self, name) is not None}
 
     def use_tiled_layout(self) -> None:
-        """Re-lay int4 tensors for the kernel (hardy.compress.kernels.tile_q4), once."""
-        from hardy.compress.kernels import tile_q4
+        """Re-lay the codes for the kernel (hardy.compress.kernels.tile_codes), once."""
+        from hardy.compress.kernels import tile_codes
 
         if not self.tiled:
-            for name, tensor in tile_q4(self._tensors()).items():
+            for name, tensor in tile_codes(self._tensors()).items():
                 setattr(self, name, tensor)  # replaces the buffer: one copy of the weights either way
             self.tiled = True
 
     def stored(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """qweight/scales/mins in the stored layout (docs/quantization.md), all rows or some."""
-        from hardy.compress.kernels import tiled_rows, untile_q4
+        from hardy.compress.kernels import tiled_rows, untile_codes
 
         tensors = self._tensors()
         if self.tiled:
-            return untile_q4(tensors, self.out_features) if rows is None else tiled_rows(tensors, rows)
+            return untile_codes(tensors, self.out_features) if rows is None else tiled_rows(tensors, rows)
         return tensors if rows is None else {name: t[rows] for name, t in tensors.items()}
 
     def quant_tensor(self) -> QuantTensor:
@@ -88,11 +88,11 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.tiled:  # stored layout in, kernel layout kept
-            from hardy.compress.kernels import tile_q4
+            from hardy.compress.kernels import tile_codes
 
             names = [prefix + n for n in self._tensors()]  # no mins on a symmetric grid
             if all(n in state_dict for n in names):
-                tiled = tile_q4({n.removeprefix(prefix): state_dict[n] for n in names})
+                tiled = tile_codes({n.removeprefix(prefix): state_dict[n] for n in names})
                 state_dict = {**state_dict, **{prefix + n: t for n, t in tiled.items()}}
         super()._load_from_state_dict(state_dict, prefix, *args)
 

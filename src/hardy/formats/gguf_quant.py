@@ -52,7 +52,7 @@ class PackedQuant:
     parts: dict[str, torch.Tensor]
     spec: QuantSpec
     shape: tuple[int, int]
-    tiled: bool = False  # int4 already in the kernels' tiled layout (hardy.compress.kernels.tile_q4)
+    tiled: bool = False  # already in the kernels' tiled layout (hardy.compress.kernels.tile_codes)
     tp_slice: TPSlice | None = None  # only this tensor-parallel rank's rows or columns were read
 
     def packed(self) -> dict[str, torch.Tensor]:
@@ -61,9 +61,9 @@ class PackedQuant:
     def stored(self) -> dict[str, torch.Tensor]:
         if not self.tiled:
             return self.parts
-        from hardy.compress.kernels import untile_q4
+        from hardy.compress.kernels import untile_codes
 
-        return untile_q4(self.parts, self.shape[0])
+        return untile_codes(self.parts, self.shape[0])
 
     def quant_tensor(self) -> QuantTensor:
         return QuantTensor.from_packed(self.stored(), self.spec, self.shape)
@@ -176,7 +176,7 @@ def _kernels():
 
 
 def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None) -> PackedQuant | None:
-    """Q4_0/Q4_1 straight into the tiled layout, Q8_0 into codes + scales, rows reordered on the way,
+    """Q4_0/Q4_1/Q8_0/Q4_K/Q6_K straight into the kernels' tiled layout, rows reordered on the way,
     by the kernels extension (one pass); None where it is not built (then the numpy path). `order`:
     the source row of each output row (fewer than the file's for a colwise rank); `tp` rowwise: only
     that rank's input columns are read."""
@@ -195,16 +195,16 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None) 
         raw = torch.from_numpy(blocks.reshape(rows, -1))
     out_rows = rows if order is None else order.numel()
     if name == "Q6_K":  # re-quantized to int8 g32 (the table above): only the rows wanted, in their order
-        codes, scales = module.q6k_to_int8(raw if order is None else raw[order].contiguous())
-        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (out_rows, cols))
+        codes, scales = module.q6k_to_tiled(raw if order is None else raw[order].contiguous())
+        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (out_rows, cols), tiled=True)
     rows = out_rows
     order = torch.arange(rows) if order is None else order
     if name == "Q4_K":
         q, scales, mins = module.q4k_to_tiled(raw, order)
         return PackedQuant({"qweight": q, "scales": scales, "mins": mins}, INT4_G32, (rows, cols), tiled=True)
     if name == "Q8_0":
-        codes, scales = module.q8_gguf_split(raw, order)
-        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols))
+        codes, scales = module.q8_gguf_to_tiled(raw, order)
+        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols), tiled=True)
     q, scales, mins = module.q4_gguf_to_tiled(raw, name == "Q4_1", order)
     if name == "Q4_0":  # the symmetric grid: no mins (the extension returns an empty tensor)
         return PackedQuant({"qweight": q, "scales": scales}, INT4_SYM_G32, (rows, cols), tiled=True)
@@ -288,7 +288,7 @@ def check_unpacks(q: PackedQuant, where: str) -> None:
     groups = q.spec.groups(cols)
     if q.tiled:
         padded = -(-rows // 8) * 8
-        want, want_scales = (padded, cols // 2), (padded // 8, groups, 8)
+        want, want_scales = (padded, cols // 2 if q.spec.bits == 4 else cols), (padded // 8, groups, 8)
     else:
         want, want_scales = ((rows, cols // 2) if q.spec.bits == 4 else (rows, cols)), (rows, groups)
     if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != want_scales:

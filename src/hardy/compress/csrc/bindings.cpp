@@ -6,15 +6,15 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemv", &qgemv, "int8 or int4 group-wise weights x int8-quantized activations");
-  m.def("dequant_rows", &dequant_rows, "some rows of an int8 or tiled int4 matrix as float");
-  m.def("dequant_range", &dequant_range, "consecutive rows of an int8 or tiled int4 matrix into an fp32/bf16 slab");
+  m.def("dequant_rows", &dequant_rows, "some rows of a tiled int8 or int4 matrix as float");
+  m.def("dequant_range", &dequant_range, "consecutive rows of a tiled int8 or int4 matrix into an fp32/bf16 slab");
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, double, int64_t>(),
            "norms (2 per block), w (21 per block), dims (14 per block), eps, head_dim")
       .def("__call__", &DecodeStack::operator(), "x, positions, cos, sin, K caches, V caches -> x after every block");
   m.def("q4_gguf_to_tiled", &q4_gguf_to_tiled, "GGUF Q4_0/Q4_1 blocks -> tiled int4 (qweight, scales, mins)");
-  m.def("q8_gguf_split", &q8_gguf_split, "GGUF Q8_0 blocks -> int8 codes and fp16 scales");
-  m.def("q6k_to_int8", &q6k_to_int8, "GGUF Q6_K blocks -> int8 g32 codes and fp16 scales (RTN)");
+  m.def("q8_gguf_to_tiled", &q8_gguf_to_tiled, "GGUF Q8_0 blocks -> tiled int8 codes and fp16 scales");
+  m.def("q6k_to_tiled", &q6k_to_tiled, "GGUF Q6_K blocks -> tiled int8 g32 codes and fp16 scales (RTN)");
   m.def("q4k_to_tiled", &q4k_to_tiled, "GGUF Q4_K blocks -> tiled int4 g32 (qweight, scales, mins)");
   m.def("has_vnni", &built_with_vnni);
   m.def("has_avx2", &built_with_avx2);

@@ -1,8 +1,8 @@
 // Fused quantized matrix-vector products for decoding on CPU (hardy.compress.kernels).
 //
-// int8 weights stay as stored by hardy compress (docs/quantization.md): codes with an fp16 scale
-// per (row, group). int4 weights (GGUF Q4 order, fp16 scale/min per (row, group) on disk) are
-// re-laid at load in tiles of 8 interleaved rows (q4_job; hardy.compress.kernels.tile_q4).
+// int8 weights (codes with an fp16 scale per (row, group), docs/quantization.md) and int4 weights
+// (GGUF Q4 order, fp16 scale/min per (row, group) on disk) are re-laid at load in tiles of 8
+// interleaved rows (q4_job, q8_job; hardy.compress.kernels.tile_codes).
 // Activations are quantized on the fly to int8 per block of 32 (scale max|x|/127), as llama.cpp
 // does on AVX2, so the inner products run as 8-bit integer multiply-adds. With AVX2 the block dot
 // product is maddubs + madd (32 multiply-adds in two instructions), with AVX-512 VNNI one dpbusd;
@@ -107,21 +107,7 @@ struct QuantizedInput {
   }
 };
 
-void check_input(const QuantizedInput& x, const at::Tensor& scales, int64_t rows_k, int64_t group) {
-  TORCH_CHECK(scales.scalar_type() == at::kHalf, "fp16 scales");
-  const int64_t K = x.K;
-  TORCH_CHECK(K % QK == 0 && rows_k == K && group % QK == 0 && scales.size(1) == (K + group - 1) / group,
-              "shape mismatch");
-}
-
 #ifdef HARDY_AVX2
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 products of unsigned bytes u and signed bytes s, summed in 8 int32 lanes: one VNNI instruction
 // where the CPU has it, else maddubs (pairs to int16; u, |s| <= 127 cannot saturate) + madd.
 inline __m256i dot_block(__m256i u, __m256i s) {
@@ -154,7 +140,7 @@ inline float scalar_groups(int64_t G, int64_t nb, int64_t bpg, const float* dx, 
   return acc;
 }
 
-// A Job computes a range of one matrix's tiles (int8: single rows; int4: tiles of 8 rows); the
+// A Job computes a range of one matrix's tiles (of 8 rows); the
 // closure owns copies of everything it reads besides the tensors' storage, so a job can outlive
 // the call that made it.
 struct Job {
@@ -176,7 +162,7 @@ void run_jobs(const std::vector<Job>& jobs) {
   });
 }
 
-// int4 weights in the kernel's tiled layout (hardy.compress.kernels.tile_q4): rows in tiles of 8,
+// int4 weights in the kernel's tiled layout (hardy.compress.kernels.tile_codes): rows in tiles of 8,
 // each tile's block of 32 columns as 128 bytes where bytes [32c + 4r, 32c + 4r + 4) are bytes
 // [4c, 4c + 4) of row r's GGUF Q4 block (low nibbles: codes 4c..4c+3, high: 16+4c..16+4c+3); scales
 // and mins as [tiles, groups, 8]. One 256-bit load then holds four codes of each of 8 rows, so the
@@ -282,49 +268,88 @@ Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
   return Job{run, tiles};
 }
 
-// One int8 row (symmetric codes, an fp16 scale per group) against one quantized activation row;
-// groups outermost so no division runs in the inner loop. The byte multiply-add takes one unsigned
+// int8 weights (symmetric codes, an fp16 scale per (row, group)) in the same tiled layout as int4
+// (hardy.compress.kernels.tile_codes): rows in tiles of 8, each tile's block of 32 columns as 256
+// bytes where bytes [32c + 4r, 32c + 4r + 4) are row r's codes 4c..4c+3, scales [tiles, groups, 8].
+// One 256-bit load holds four codes of each of 8 rows against four activations broadcast, so row r's
+// dot product builds in lane r: no horizontal sum per row, the 8 rows' scales in one vector product.
+// A row at a time (a horizontal sum and a scalar scale per row and block) streamed at under half
+// int4's bytes per second, compute-bound (BENCHMARKS.md). The byte multiply-add takes one unsigned
 // operand: |x| times w·sign(x).
-inline float q8_row(const int8_t* w, const uint16_t* s, const int8_t* xq, const float* dx, int64_t nb, int64_t G,
-                    int64_t bpg) {
+inline void q8_tile8(const int8_t* W, const uint16_t* S, const int8_t* xq, const float* dx, int64_t nb,
+                     int64_t G, int64_t bpg, float* y, int64_t valid) {
+  float out[8];
 #ifdef HARDY_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
     const int64_t b1 = std::min(nb, b0 + bpg);
-    const float scale = half_to_float(s[g]);
     __m256 part = _mm256_setzero_ps();
     for (int64_t b = b0; b < b1; ++b) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QK));
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
-      const __m256i dot = dot_block(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(bpg == 1 ? dx[b] * scale : dx[b]), part);
+      const int8_t* w = W + b * 256;
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES + 64 * line), _MM_HINT_T0);
+      const int8_t* x = xq + b * QK;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      alignas(32) int8_t ax[QK];  // |x| once per block; each chunk then broadcasts 4 bytes of x and of |x|
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ax), _mm256_sign_epi8(xv, xv));
+      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+      for (int c = 0; c < 8; c += 2) {
+        int32_t x0, x1, a0, a1;
+        std::memcpy(&x0, x + 4 * c, 4);
+        std::memcpy(&x1, x + 4 * c + 4, 4);
+        std::memcpy(&a0, ax + 4 * c, 4);
+        std::memcpy(&a1, ax + 4 * c + 4, 4);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c + 32));
+        d0 = dot_acc(d0, _mm256_set1_epi32(a0), _mm256_sign_epi8(v0, _mm256_set1_epi32(x0)));
+        d1 = dot_acc(d1, _mm256_set1_epi32(a1), _mm256_sign_epi8(v1, _mm256_set1_epi32(x1)));
+      }
+      part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(dx[b]), part);
     }
-    acc = bpg == 1 ? _mm256_add_ps(acc, part) : _mm256_fmadd_ps(part, _mm256_set1_ps(scale), acc);
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 8 * g)));
+    acc = _mm256_fmadd_ps(part, scale, acc);
   }
-  return hsum8(acc);
+  _mm256_storeu_ps(out, acc);
 #else
-  auto dot = [&](int64_t b) {
-    int32_t sum = 0;
-    for (int i = 0; i < QK; ++i) sum += (int32_t)w[b * QK + i] * xq[b * QK + i];
-    return sum;
-  };
-  return scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(s[g]); });
+  for (int r = 0; r < 8; ++r) {
+    auto dot = [&](int64_t b) {
+      int32_t sum = 0;
+      for (int c = 0; c < 8; ++c)
+        for (int i = 0; i < 4; ++i) sum += (int32_t)W[b * 256 + 32 * c + 4 * r + i] * xq[b * QK + 4 * c + i];
+      return sum;
+    };
+    out[r] = scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(S[8 * g + r]); });
+  }
 #endif
+  std::memcpy(y, out, valid * sizeof(float));
 }
 
-Job q8_job(const QuantizedInput& in, const at::Tensor& codes, const at::Tensor& scales, int64_t group, float* Y) {
-  TORCH_CHECK(codes.dtype() == at::kChar && codes.is_contiguous(), "codes: contiguous int8 [N, K]");
-  check_input(in, scales, codes.size(1), group);
-  const int64_t T = in.T, K = in.K, N = codes.size(0), G = scales.size(1), nb = K / QK, bpg = group / QK;
-  const int8_t* W = codes.data_ptr<int8_t>();
+Job q8_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& scales, int64_t group, int64_t N,
+           float* Y) {
+  const int64_t T = in.T, K = in.K, nb = K / QK;
+  TORCH_CHECK(tiled.dtype() == at::kChar && tiled.is_contiguous() && tiled.size(1) == K &&
+              tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
+              "int8 weights: contiguous int8 [rows rounded up to 8, K] in the tiled layout");
+  const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
+  TORCH_CHECK(group % QK == 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G && scales.size(2) == 8,
+              "int8 scales: contiguous fp16 [tiles, groups, 8]");
+  const int8_t* W = tiled.data_ptr<int8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const int8_t* XQ = in.codes.data();
   const float* DX = in.scales.data();
   auto run = [=](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o)
-      for (int64_t t = 0; t < T; ++t) Y[t * N + o] = q8_row(W + o * K, S + o * G, XQ + t * K, DX + t * nb, nb, G, bpg);
+#ifdef HARDY_AVX2
+    const char* first = reinterpret_cast<const char*>(W + begin * 8 * K);
+    for (int64_t off = 0, n = std::min<int64_t>(PF_BYTES, (end - begin) * 8 * K); off < n; off += 64)
+      _mm_prefetch(first + off, _MM_HINT_T0);
+#endif
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t t = 0; t < T; ++t)
+        q8_tile8(W + i * 8 * K, S + i * G * 8, XQ + t * K, DX + t * nb, nb, G, bpg, Y + t * N + i * 8,
+                 std::min<int64_t>(8, N - i * 8));
   };
-  return Job{run, N};
+  return Job{run, tiles};
 }
 
 at::Tensor flat_rows(const at::Tensor& x_in) {
@@ -366,8 +391,7 @@ std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Te
     if (qw.scalar_type() == at::kByte) {
       jobs.push_back(q4_job(in, qw, w[3 * i + 1], w[3 * i + 2], group, rows, Y));
     } else {
-      TORCH_CHECK(qw.size(0) == rows, "int8 codes: one row per output");
-      jobs.push_back(q8_job(in, qw, w[3 * i + 1], group, Y));
+      jobs.push_back(q8_job(in, qw, w[3 * i + 1], group, rows, Y));
     }
   }
   run_jobs(jobs);
@@ -381,7 +405,7 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
   return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
 }
 
-// Row r of an int8 or tiled int4 matrix as float: code * scale (+ min), or (code - 8) * scale on the
+// Row r of a tiled int8 or int4 matrix as float: code * scale (+ min), or (code - 8) * scale on the
 // symmetric int4 grid (M null), as QuantTensor does. The group width is a multiple of 32, so the 32
 // values of a block share one scale (and min).
 static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, const uint16_t* M, int64_t K, int64_t G,
@@ -402,13 +426,17 @@ static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, 
         }
     }
   } else {
-    const int8_t* w = W8 + r * K;
-    for (int64_t k = 0; k < K; ++k) y[k] = (float)w[k] * half_to_float(S[r * G + k / group]);
+    const int8_t* w = W8 + (r / 8) * 8 * K + 4 * (r % 8);
+    const int64_t base = (r / 8) * G * 8 + r % 8;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = half_to_float(S[base + (b * QK / group) * 8]);
+      for (int64_t k = 0; k < QK; ++k) y[b * QK + k] = (float)w[b * 256 + 32 * (k / 4) + k % 4] * s;
+    }
   }
 }
 
 // Some rows of a quantized matrix, dequantized to float [n, K]: embedding lookups (the tied table
-// is the LM head's, so int4 arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
+// is the LM head's, so it arrives in the tiled layout). code * scale (+ min), as QuantTensor does.
 at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
                         at::Tensor rows) {
   check_on_cpu({qweight, scales, mins, rows}, "an embedding lookup");
@@ -417,9 +445,9 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   const bool int4 = qweight.scalar_type() == at::kByte;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0);
   const int64_t G = scales.size(1), N = qweight.size(0);
-  TORCH_CHECK(K % QK == 0 && group % QK == 0 &&
-              (!int4 || ((mins.numel() == 0 || mins.sizes() == scales.sizes()) && scales.dim() == 3)),
-              "dequant_rows: int8 codes or tiled int4");
+  TORCH_CHECK(K % QK == 0 && group % QK == 0 && scales.dim() == 3 &&
+              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes())),
+              "dequant_rows: tiled int8 or int4");
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -434,7 +462,7 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   return out;
 }
 
-// Rows [begin, begin + out.size(0)) of an int8 or tiled int4 matrix, dequantized into `out` (fp32 or
+// Rows [begin, begin + out.size(0)) of a tiled int8 or int4 matrix, dequantized into `out` (fp32 or
 // bf16, contiguous [rows, K]) in one pass: prefill multiplies many tokens by a slab of the weights
 // at a time, so neither the whole float matrix nor the unpacked codes are ever materialized.
 void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group, int64_t begin,
@@ -442,12 +470,12 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   check_on_cpu({qweight, scales, mins, out}, "a prefill dequantization");
   const bool int4 = qweight.scalar_type() == at::kByte, bf16 = out.scalar_type() == at::kBFloat16;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = out.size(0);
-  const int64_t G = scales.size(1), N = qweight.size(0);  // int4: rows padded to whole tiles
+  const int64_t G = scales.size(1), N = qweight.size(0);  // rows padded to whole tiles
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
               out.is_contiguous() && out.dim() == 2 && out.size(1) == K && (bf16 || out.scalar_type() == at::kFloat) &&
-              begin >= 0 && begin + n <= N && K % QK == 0 && group % QK == 0 &&
-              (!int4 || ((mins.numel() == 0 || mins.sizes() == scales.sizes()) && scales.dim() == 3)),
-              "dequant_range: int8 codes or tiled int4, rows in range, a contiguous fp32/bf16 [rows, K] output");
+              begin >= 0 && begin + n <= N && K % QK == 0 && group % QK == 0 && scales.dim() == 3 &&
+              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes())),
+              "dequant_range: tiled int8 or int4, rows in range, a contiguous fp32/bf16 [rows, K] output");
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* M = int4 && mins.numel() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
@@ -467,8 +495,8 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
 
 // The GGUF converters' shared pieces: their input is [source rows, blocks x bytes] on the CPU and every
 // output row names a source row that exists (a tensor-parallel rank converts only its rows: fewer
-// output rows than source rows); one row's 16 bytes of a 32-value block (hardy's stored order) go to
-// their places in the tile's 128.
+// output rows than source rows); one row's bytes of a 32-value block (hardy's stored order: 16 for
+// int4, 32 for int8) go to their places in the tile's 128 or 256, 4 bytes per 32-byte chunk.
 // Returns the number of output rows.
 static int64_t check_gguf_input(const at::Tensor& blocks, const at::Tensor& order, int64_t block_bytes,
                                 const char* what) {
@@ -483,12 +511,13 @@ static int64_t check_gguf_input(const at::Tensor& blocks, const at::Tensor& orde
   return order.numel();
 }
 
+template <int Chunks = 4>
 static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* bytes) {
-  for (int c = 0; c < 4; ++c) std::memcpy(tile_block + 32 * c + 4 * lane, bytes + 4 * c, 4);
+  for (int c = 0; c < Chunks; ++c) std::memcpy(tile_block + 32 * c + 4 * lane, bytes + 4 * c, 4);
 }
 
 // GGUF Q4_0 / Q4_1 blocks (fp16 d [, fp16 m], 16 bytes of nibbles; `blocks` [rows, row bytes]) straight
-// into the kernel's tiled int4 layout (tile_q4 of hardy's stored layout, which is Q4_1's), output row
+// into the kernel's tiled int4 layout (tile_codes of hardy's stored layout, which is Q4_1's), output row
 // i taken from source row order[i] (the q/k unpermutation) — one pass over the file's bytes instead
 // of unpacking, re-laying and tiling in several. Q4_0 keeps its grid ((q - 8)·d: no mins, mins empty).
 std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order) {
@@ -530,41 +559,43 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
   return {q, scales, mins};
 }
 
-// GGUF Q8_0 blocks (fp16 d, 32 int8) into hardy's int8 layout: codes [rows, K], fp16 scales [rows, K/32].
-std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order) {
-  const int64_t rows = check_gguf_input(blocks, order, 34, "q8_gguf_split");
-  const int64_t nb = blocks.size(1) / 34, K = nb * QK;
-  auto codes = at::empty({rows, K}, at::kChar);
-  auto scales = at::empty({rows, nb}, at::kHalf);
+// GGUF Q8_0 blocks (fp16 d, 32 int8) straight into the kernel's tiled int8 layout: codes [rows rounded
+// up to 8, K], fp16 scales [tiles, K/32, 8], output row i from source row order[i]; padding rows zero.
+std::vector<at::Tensor> q8_gguf_to_tiled(at::Tensor blocks, at::Tensor order) {
+  const int64_t rows = check_gguf_input(blocks, order, 34, "q8_gguf_to_tiled");
+  const int64_t nb = blocks.size(1) / 34, K = nb * QK, tiles = (rows + 7) / 8;
+  auto codes = at::zeros({tiles * 8, K}, at::kChar);
+  auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   const int64_t* ord = order.data_ptr<int64_t>();
-  int8_t* C = codes.data_ptr<int8_t>();
-  at::Half* S = scales.data_ptr<at::Half>();
-  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint8_t* row = src + ord[i] * nb * 34;
-      for (int64_t b = 0; b < nb; ++b) {
-        std::memcpy(S + i * nb + b, row + b * 34, 2);
-        std::memcpy(C + i * K + b * QK, row + b * 34 + 2, QK);
+  uint8_t* C = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
+  uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {  // tile by tile: sequential writes
+    for (int64_t tile = lo; tile < hi; ++tile)
+      for (int64_t lane = 0; lane < std::min<int64_t>(8, rows - tile * 8); ++lane) {
+        const uint8_t* row = src + ord[tile * 8 + lane] * nb * 34;
+        for (int64_t b = 0; b < nb; ++b) {
+          std::memcpy(S + (tile * nb + b) * 8 + lane, row + b * 34, 2);
+          put_tiled<8>(C + tile * 8 * K + b * 256, lane, row + b * 34 + 2);
+        }
       }
-    }
   });
   return {codes, scales};
 }
 
 // GGUF Q6_K super-blocks (ql[128], qh[64], int8 scales[16], fp16 d; 256 values each) into hardy's
-// int8 g32: values d·sc·(q − 32) as llama.cpp's dequantize_row_q6_K computes them (fp32), then
+// int8 g32 in the kernel's tiled layout: values d·sc·(q − 32) as llama.cpp's dequantize_row_q6_K computes them (fp32), then
 // round-to-nearest on the symmetric int8 grid per 32 values with rtn's arithmetic (scale =
 // fp16(max|v| / 127), code = round-half-even(v / scale)), so the result equals the Python path.
-std::vector<at::Tensor> q6k_to_int8(at::Tensor blocks) {
+std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks) {
   check_on_cpu({blocks}, "a GGUF conversion");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % 210 == 0, "q6k_to_int8: contiguous uint8 [rows, super-blocks x 210]");
-  const int64_t rows = blocks.size(0), nb = blocks.size(1) / 210, K = nb * 256;
-  auto codes = at::empty({rows, K}, at::kChar);
-  auto scales = at::empty({rows, K / QK}, at::kHalf);
+              blocks.size(1) % 210 == 0, "q6k_to_tiled: contiguous uint8 [rows, super-blocks x 210]");
+  const int64_t rows = blocks.size(0), nb = blocks.size(1) / 210, K = nb * 256, G = K / QK;
+  auto codes = at::zeros({(rows + 7) / 8 * 8, K}, at::kChar);
+  auto scales = at::zeros({(rows + 7) / 8, G, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  int8_t* C = codes.data_ptr<int8_t>();
+  uint8_t* C = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
   at::Half* S = scales.data_ptr<at::Half>();
   at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
     float y[256];
@@ -601,10 +632,11 @@ std::vector<at::Tensor> q6k_to_int8(at::Tensor blocks) {
           const at::Half sh = at::Half(amax / 127.f);
           float scale = (float)sh;
           if (scale == 0.f) scale = 1.f;
-          S[r * (K / QK) + b * 8 + g] = at::Half(scale);
-          int8_t* c = C + r * K + b * 256 + g * QK;
+          S[((r / 8) * G + b * 8 + g) * 8 + r % 8] = at::Half(scale);
+          int8_t c[QK];
           for (int i = 0; i < QK; ++i)
             c[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / scale)));
+          put_tiled<8>(C + (r / 8) * 8 * K + (b * 8 + g) * 256, r % 8, reinterpret_cast<const uint8_t*>(c));
         }
       }
     }

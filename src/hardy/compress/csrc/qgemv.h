@@ -15,8 +15,8 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
 void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group, int64_t begin,
                    at::Tensor out);
 std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order);
-std::vector<at::Tensor> q8_gguf_split(at::Tensor blocks, at::Tensor order);
-std::vector<at::Tensor> q6k_to_int8(at::Tensor blocks);
+std::vector<at::Tensor> q8_gguf_to_tiled(at::Tensor blocks, at::Tensor order);
+std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks);
 std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order);
 // The vector ISA this build's products use (the build flags decide: hardy.compress.kernels._isa).
 bool built_with_avx2();
