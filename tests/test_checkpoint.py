@@ -52,3 +52,29 @@ def test_files_no_rank_claimed_are_hashed_when_the_manifest_is_merged(tmp_path):
     assert set(files) == {"rank_00000.json", "__7_0.distcp"} and files["__7_0.distcp"]["bytes"] == 10
     assert not list(tmp_path.glob(".hashes_rank_*"))
     verify_manifest(tmp_path)
+
+
+def test_dcp_metadata_passes_the_allow_list_and_anything_else_is_refused(tmp_path, state):
+    """The metadata DCP writes for a real model + optimizer unpickles under the allow-list; a pickle
+    naming any other global, or bytes that are no pickle, is a one-line HardyError."""
+    import pickle
+    import shutil
+
+    from hardy.checkpoint.safe_metadata import check_dcp_metadata
+    from hardy.errors import HardyError
+
+    model, opt = state
+    mgr = CheckpointManager(tmp_path, keep=1, rank=0, device=torch.device("cpu"))
+    mgr.save(1, model, opt, {"step": 1}, {"rank": 0}, asynchronous=False)
+    mgr.wait()
+    mgr.close()
+    ckpt = tmp_path / "checkpoints" / "step_00000001"
+    check_dcp_metadata(ckpt)
+    for value, fragment in ((print, "refers to builtins.print"), (pickle.Pickler, "refers to _pickle.Pickler"),
+                            (torch.zeros, "refers to builtins.getattr"), (shutil.rmtree, "refers to shutil.rmtree")):
+        (ckpt / ".metadata").write_bytes(pickle.dumps({"storage": [value]}))
+        with pytest.raises(HardyError, match=fragment):
+            check_dcp_metadata(ckpt)
+    (ckpt / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    with pytest.raises(HardyError, match="damaged"):
+        check_dcp_metadata(ckpt)

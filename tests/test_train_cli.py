@@ -9,7 +9,7 @@ import torch
 
 from conftest import hardy_main, run_hardy
 from test_cli import assert_one_line_error
-from trainutil import in_process, step_losses
+from trainutil import BASE, in_process, step_losses
 
 
 def train_cli(*args):
@@ -113,3 +113,43 @@ def test_fine_tuning_starts_from_the_imported_weights(tmp_path, smollm2):
         expected = smollm2.model(x, targets=y).item()
     assert abs(first - expected) <= 1e-5 * expected
     assert first < 6  # a pretrained model, not a random one (~10.8 = ln 49152)
+
+
+class _WritesAFile:
+    """A pickle payload that creates `path` when unpickled (os.system, as an attacker would use it)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_received_checkpoint_cannot_run_code(tmp_path, micro_dataset):
+    """A run directory from someone else, its DCP .metadata replaced by a payload and the manifest's
+    checksums updated to match (they prove integrity, not authenticity): export and resume both end
+    in a one-line error (exit 2) and the payload never runs."""
+    import hashlib
+    import pickle
+
+    run = tmp_path / "run"
+    in_process(run, micro_dataset, "train.steps=2", "checkpoint.at_end=true")
+    ckpt = run / "checkpoints" / "step_00000002"
+    marker = tmp_path / "payload-ran"
+    payload = pickle.dumps(_WritesAFile(marker))
+    (ckpt / ".metadata").write_bytes(payload)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+    export = hardy_main("export", "--model", str(run), "--format", "safetensors", "--out", str(tmp_path / "out"))
+    assert_one_line_error(export, ".metadata", "refers to posix.system", "refusing to load it")
+    assert not (tmp_path / "out").exists()
+    sets = [*BASE, f"data.path={micro_dataset}", "train.steps=4", "checkpoint.at_end=true"]
+    resume = train_cli("--run-dir", str(run), *[arg for s in sets for arg in ("--set", s)])
+    assert_one_line_error(resume, ".metadata", "refers to posix.system")
+    assert not marker.exists()
+    pickle.loads(payload)  # the payload itself is live: unrestricted, it does create the file
+    assert marker.exists()

@@ -8,8 +8,9 @@ Layout of RUN_DIR/checkpoints/step_%08d/:
     COMPLETE                  written last; a directory without it is ignored
 
 A save is written into `.step_%08d.partial`, renamed when every rank has finished, and marked
-COMPLETE afterwards. DCP's `.metadata` is a pickle, so a checkpoint is only loaded from a run
-directory hardy wrote and only after its manifest verifies.
+COMPLETE afterwards. A checkpoint is loaded only after its manifest verifies, and DCP's `.metadata`
+(a pickle) only through the allow-list of `hardy.checkpoint.safe_metadata`: a run directory received
+from someone else cannot run code when it is resumed or exported.
 """
 from __future__ import annotations
 
@@ -310,10 +311,14 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from hardy.checkpoint.safe_metadata import SafeFileSystemReader, check_dcp_metadata  # imports DCP
+
+        # checked here as well as by the reader: DCP would wrap the reader's one-line error in its own
+        check_dcp_metadata(directory)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(directory))
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         trainer_state = json.loads((directory / TRAINER).read_text())
         rank_file = directory / f"rank_{self.rank:05d}.json"
@@ -326,12 +331,15 @@ def load_model_weights(directory: Path, model) -> dict:
     """Load only the model weights of a verified checkpoint into a plain (unsharded) model."""
     import torch.distributed.checkpoint as dcp
 
+    from hardy.checkpoint.safe_metadata import SafeFileSystemReader, check_dcp_metadata  # imports DCP
+
     try:
         verify_manifest(directory)
     except CheckpointCorrupt as e:
         raise HardyError(f"checkpoint {directory} failed verification: {e}") from None
+    check_dcp_metadata(directory)  # before DCP, which would wrap the reader's one-line error in its own
     state = {"model": model.state_dict()}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
     model.load_state_dict(state["model"])
     return json.loads((directory / TRAINER).read_text())

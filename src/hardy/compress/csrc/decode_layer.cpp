@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <cstring>
 #include <cmath>
 #include <vector>
@@ -144,9 +145,9 @@ at::Tensor block(const at::Tensor& x, const at::Tensor& positions, const at::Ten
   auto h2 = rms_norm(x1, ffn_norm, eps);
   auto gate_up = linears(w, dims, 4, 2, h2);
   auto &gate = gate_up[0], &up = gate_up[1];
-  float* G = gate.data_ptr<float>();
-  const float* U = up.data_ptr<float>();
-  for (int64_t i = 0, n = gate.numel(); i < n; ++i) G[i] = G[i] / (1.f + std::exp(-G[i])) * U[i];
+  // ATen's SiLU, as the module path computes it: vectorized, where a scalar std::exp per element
+  // cost ~10 us per block at SmolLM2's width
+  at::silu_(gate).mul_(up);
   x1 += linears(w, dims, 6, 1, gate)[0];
   return x1;
 }
