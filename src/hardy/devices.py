@@ -78,3 +78,50 @@ def compute_device(model) -> torch.device:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+NUMA_ROOT = "/sys/devices/system/node"
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """The kernel's CPU-list format ("0-3,8-11", "" for a node without CPUs) as CPU numbers."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_cpus(root: str = NUMA_ROOT) -> list[list[int]]:
+    """The CPUs of each NUMA node that has any (memory-only nodes left out), in node order; [] where
+    the system does not say (not Linux, no sysfs)."""
+    import re
+    from pathlib import Path
+
+    nodes = []
+    try:
+        for path in Path(root).iterdir():
+            match = re.fullmatch(r"node(\d+)", path.name)
+            if match and (path / "cpulist").is_file():
+                nodes.append((int(match.group(1)), parse_cpulist((path / "cpulist").read_text())))
+    except (OSError, ValueError):
+        return []
+    return [cpus for _, cpus in sorted(nodes) if cpus]
+
+
+def bind_to_numa_node(local_rank: int, nproc: int, root: str = NUMA_ROOT) -> tuple[int, list[int]] | None:
+    """Pin this process to one NUMA node's CPUs, ranks spread over the nodes in blocks (2 nodes, 4
+    ranks: 0 1 | 2 3), before it allocates anything: Linux places a page on the node of the CPU that
+    first touches it, so a tensor-parallel worker's slices then sit in its own socket's DRAM and the
+    sockets' bandwidth adds up. Only CPUs this process may already use are taken. Returns (node,
+    CPUs), or None where there is one node (nothing to choose) or the node has none of ours."""
+    nodes = numa_cpus(root)
+    if len(nodes) < 2 or not hasattr(os, "sched_setaffinity"):
+        return None
+    node = local_rank * len(nodes) // max(nproc, 1) % len(nodes)
+    cpus = sorted(set(nodes[node]) & os.sched_getaffinity(0))
+    if not cpus:
+        return None
+    os.sched_setaffinity(0, cpus)
+    return node, cpus

@@ -54,6 +54,15 @@ def requested_device(args) -> torch.device:
     return resolve_device(spec, quantized=spec in ("auto", None) and is_quantized_source(args.model, gguf))
 
 
+def add_tp_args(p) -> None:
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
+    p.add_argument("--numa", choices=("auto", "off"), default="auto",
+                   help="with --tp on a multi-socket machine, pin each process to one NUMA node's CPUs "
+                        "before it loads, so its weights sit in that node's memory (auto); off: leave "
+                        "placement to the OS")
+
+
 def load_from_args(args, need_tokenizer: bool = True):
     from hardy.formats.load import load_model, set_threads
 
@@ -62,6 +71,14 @@ def load_from_args(args, need_tokenizer: bool = True):
     if getattr(args, "tp", 1) > 1 and "RANK" in os.environ:  # a --tp worker: read only this rank's slices
         from hardy.parallel.quantized_tp import rank_slices  # start-up time: torch.distributed only for --tp
 
+        if getattr(args, "numa", "off") == "auto":  # before the first allocation: pages go where they are touched
+            from hardy.devices import bind_to_numa_node
+
+            bound = bind_to_numa_node(int(os.environ.get("LOCAL_RANK", 0)),
+                                      int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
+            if bound:
+                node, cpus = bound
+                print(f"hardy: rank {os.environ['RANK']} on NUMA node {node} ({len(cpus)} CPUs)", file=sys.stderr)
         tp_slices = rank_slices(int(os.environ["RANK"]), args.tp)
     loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args),
                         gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty(),

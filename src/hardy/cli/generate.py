@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from hardy.cli.common import add_model_args, load_from_args, use_fast_prefill
+from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
 
 
 def register(sub) -> None:
@@ -21,8 +21,7 @@ def register(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (float models, one process; SmolLM2 fp32 decode "
                         "1.07-1.10x faster here after a one-off ~40 s compile)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
+    add_tp_args(p)
     p.set_defaults(func=run)
 
 

@@ -5,7 +5,7 @@ import signal
 import sys
 import threading
 
-from hardy.cli.common import add_model_args
+from hardy.cli.common import add_model_args, add_tp_args
 
 
 def register(sub) -> None:
@@ -20,8 +20,7 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=None, help="KV cache length per request (default: the model's)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel processes (one per CPU socket; started with torchrun, gloo)")
+    add_tp_args(p)
     p.set_defaults(func=run)
 
 

@@ -92,5 +92,7 @@ def shard_model(model, tp: int):
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     apply_tp(model, mesh)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # the launcher's share of --threads, at most the CPUs this process may run on (its NUMA node's)
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", "1")), allowed)))
     return env
