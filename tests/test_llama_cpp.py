@@ -1,5 +1,5 @@
-"""hardy's GGUF exports in llama.cpp itself (runs where `llama-cpp-python` is installed; it compiles
-llama.cpp from source, so `make test` does not install it): the file loads, llama.cpp tokenizes text
+"""hardy's GGUF exports in llama.cpp itself (`make test` installs the pinned `llama-cpp-python`, which
+compiles llama.cpp once per machine; pip keeps the built wheel): the file loads, llama.cpp tokenizes text
 as hardy does (hardy's BPE exports a `tokenizer.ggml.pre` llama.cpp accepts), F32/F16 exports give
 hardy's greedy tokens, and quantized exports agree with hardy's quantized model on >= 95% of
 teacher-forced top-1 predictions."""
@@ -56,11 +56,12 @@ def test_float_exports_give_hardys_greedy_tokens(mini_run, tmp_path, text, qtype
         assert _greedy(llm, prompt, N_GREEDY) == ours, (qtype, start)
 
 
-@pytest.mark.parametrize("bits,qtype", [("8", "Q8_0"), ("4", "Q4_1")])
+@pytest.mark.parametrize("bits,qtype", [("8", "Q8_0"), ("4", "Q4_1"), ("4", "Q4_0")])
 def test_quantized_exports_agree_with_hardy_teacher_forced(mini_compressed, tmp_path, text, bits, qtype):
-    """hardy int8 g32 / int4 g32 repack losslessly into Q8_0 / Q4_1: the two runtimes then differ
-    only in arithmetic (llama.cpp also quantizes activations to 8 bits)."""
-    src = mini_compressed("--bits", bits, "--group-size", "32", "--quantize-embeddings")
+    """hardy int8 g32 / int4 g32 / symmetric int4 g32 repack losslessly into Q8_0 / Q4_1 / Q4_0: the
+    two runtimes then differ only in arithmetic (llama.cpp also quantizes activations to 8 bits)."""
+    grid = ["--symmetric"] if qtype == "Q4_0" else []
+    src = mini_compressed("--bits", bits, "--group-size", "32", "--quantize-embeddings", *grid)
     _export(src, tmp_path / "q.gguf", qtype)
     quantized = load_model(str(src))
     tokens = quantized.tokenizer.encode(text)[:N_FORCED]
