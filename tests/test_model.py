@@ -99,7 +99,18 @@ def test_kv_cache_decode_matches_full_forward(micro_model):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_every_preset_is_valid():
+# parameter counts on the models' cards (Hugging Face: SmolLM2-135M, Llama-3.1-8B/70B/405B)
+PUBLISHED_PARAMS = {"smollm2-135m": 134_515_008, "llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496,
+                    "llama3.1-405b": 405_853_388_800}
+
+
+def test_presets_of_real_models_have_their_published_parameter_counts():
+    """Built (shapes only, on the meta device) from each preset: the published count, tied embeddings
+    counted once — a wrong width, head count, FFN size, vocabulary or tying changes it."""
+    from hardy.model.llama import meta_transformer
+
+    assert set(PUBLISHED_PARAMS) <= set(PRESETS)
     for name, cfg in PRESETS.items():
         assert cfg.name == name
-        assert cfg.n_heads % cfg.n_kv_heads == 0
+        if name in PUBLISHED_PARAMS:
+            assert sum(p.numel() for p in meta_transformer(cfg).parameters()) == PUBLISHED_PARAMS[name], name
