@@ -159,8 +159,18 @@ def test_async_checkpoints_resume_bitwise(tmp_path, micro_dataset, baselines, la
     run = tmp_path / "run"
     proc = launch(run, micro_dataset, nproc, *COMMON, *sets, "checkpoint.async_save=true", 'fault.inject="kill@10"',
                   max_restarts=3)
-    # step 8's save completes in the background; whether before the kill or not, the resume is exact
-    assert "resumed from step_00000008" in proc.stdout or "resumed from step_00000004" in proc.stdout
+    # step 8's save completes in the background, before the kill at step 10 or not: the restart resumes
+    # from the newest save that had become COMPLETE by then (as its event says), and exactly
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if r["event"] == "start"]
+    assert len(starts) >= 2, "the kill did not restart the job"
+    first = records[starts[0]:starts[1]]
+    assert [r["step"] for r in first if r["event"] == "checkpoint"] == [4, 8]  # both saves were started
+    completed = [r["step"] for r in first if r["event"] == "checkpoint_complete"]
+    assert completed, [{k: r.get(k) for k in ("event", "step", "resumed_from")} for r in records if r["event"] != "step"]
+    newest = max(completed)
+    assert records[starts[1]]["resumed_from"].endswith(f"step_{newest:08d}")
+    assert f"resumed from step_{newest:08d}" in proc.stdout
     assert_bitwise_equal(run / "checkpoints" / "step_00000012", baselines(layout))
 
 

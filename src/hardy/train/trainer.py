@@ -436,6 +436,8 @@ class Trainer:
                     last_loss = m["loss"]
                 stall = 0.0
                 if self.checkpoint_due(time.perf_counter() - last_save, last_stall):
+                    # one save in flight: the previous one is finished here, with its event, not inside the next
+                    completion += self.complete_async_save(self.ckpt.wait, logger)
                     path, stall = self.save_checkpoint()
                     last_save, last_stall, last_ckpt = time.perf_counter(), stall, str(path)
                     logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
