@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from conftest import hardy_main
 from hardy.compress import pipeline
 from hardy.compress.pipeline import CompressConfig, compress_from_disk, compress_model
+from hardy.compress.store import SpilledQuant
 from hardy.errors import HardyError
 from hardy.formats.hf import open_hf_dir
 from hardy.formats.lazy_weights import write_safetensors
@@ -42,7 +43,7 @@ def _calib(mini_run, tokenizer):
     ("bf16", dict(quant="awq", bits=4, group_size=32, embeddings="same")),
     ("fp32", dict(quant="rtn", bits=8, group_size=0, prune="wanda", sparsity="2:4")),
 ])
-def test_streamed_compression_equals_the_in_memory_one(mini_hf, mini_run, monkeypatch, dtype, kw):
+def test_streamed_compression_equals_the_in_memory_one(mini_hf, mini_run, monkeypatch, tmp_path, dtype, kw):
     cfg = CompressConfig(calib_samples=8, calib_seq=64, **kw)
     loaded = load_model(str(mini_hf[dtype]))
     calib = _calib(mini_run, loaded.tokenizer)
@@ -69,8 +70,11 @@ def test_streamed_compression_equals_the_in_memory_one(mini_hf, mini_run, monkey
     model_layers: list = []
     monkeypatch.setattr(pipeline, "_compress_block", one_block_resident)
     monkeypatch.setattr(llama, "meta_transformer", capture)
-    streamed = compress_from_disk(mcfg, weights, cfg, calib, progress=False)
+    streamed = compress_from_disk(mcfg, weights, cfg, calib, progress=False, spill_dir=tmp_path)
     assert [li for li, _, _ in seen] == list(range(mcfg.n_layers))
+    # every block's packed results left memory for a spill file when the block was done
+    assert all(isinstance(q, SpilledQuant) for q in streamed.quantized.values())
+    assert len(list(tmp_path.glob("block_*.safetensors"))) == mcfg.n_layers
     assert all(others == {"meta"} and mine == {"cpu"} for _, others, mine in seen)
     assert set(streamed.quantized) == set(reference.quantized)
     for name, q in reference.quantized.items():
@@ -91,6 +95,7 @@ def test_cli_compresses_a_hf_directory_from_disk(mini_hf, mini_run, tmp_path):
     for model, out in ((mini_hf["fp32"], tmp_path / "disk"), (mini_run / "run", tmp_path / "memory")):
         proc = hardy_main("compress", "--model", str(model), "--out", str(out), *args)
         assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not list(tmp_path.glob(".hardy-spill-*"))  # the spill files went with the run
     disk, memory = load_file(str(tmp_path / "disk" / "model.safetensors")), load_file(
         str(tmp_path / "memory" / "model.safetensors"))
     assert set(disk) == set(memory) and all(torch.equal(disk[k], memory[k]) for k in disk)
@@ -99,6 +104,8 @@ def test_cli_compresses_a_hf_directory_from_disk(mini_hf, mini_run, tmp_path):
     assert gen.returncode == 0 and gen.stdout.startswith("KING:")
     again = hardy_main("compress", "--model", str(tmp_path / "disk"), "--out", str(tmp_path / "x"), "--quant", "rtn")
     assert again.returncode == 2 and "already quantized" in again.stderr
+    taken = hardy_main("compress", "--model", str(mini_hf["fp32"]), "--out", str(tmp_path / "disk"), *args)
+    assert taken.returncode == 2 and "already exists" in taken.stderr  # refused before compressing
 
 
 def test_streaming_writer_round_trips_and_refuses_a_wrong_tensor(tmp_path):

@@ -48,13 +48,20 @@ def write_json_atomic(path: Path, data: dict, durable: bool = True) -> None:
     write_bytes_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode(), durable)
 
 
+def check_new_output(out: str | os.PathLike) -> None:
+    """A one-line error unless `out` is free for `atomic_directory` (absent, or an empty directory):
+    called before long work too, so a taken output is refused before the work, not after it."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HardyError(f"output {out} already exists and is not an empty directory")
+
+
 @contextmanager
 def atomic_directory(out: str | os.PathLike):
     """Build a directory under a temporary sibling name, then fsync its files and rename it into
     place; on any error nothing is left behind. `out` must not exist or be an empty directory."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HardyError(f"output {out} already exists and is not an empty directory")
+    check_new_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

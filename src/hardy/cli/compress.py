@@ -1,9 +1,12 @@
 """hardy compress: quantize (RTN / GPTQ / AWQ) and/or prune (magnitude / Wanda / SparseGPT) a model."""
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from hardy.cli.common import add_model_args
 
@@ -63,7 +66,6 @@ def calibration_windows(ids, samples: int, seq: int, seed: int):
 def run(args) -> int:
     from hardy.cli.common import load_from_args
     from hardy.compress.pipeline import CompressConfig, compress_from_disk, compress_model, parse_prune_layers
-    from hardy.compress.store import save_compressed
     from hardy.data.text import read_text
     from hardy.errors import HardyError
 
@@ -79,6 +81,9 @@ def run(args) -> int:
                          f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs --calib-data")
     if args.dtype != "fp32":
         raise HardyError("hardy compress works on fp32 weights (--dtype fp32)")
+    from hardy.fsio import check_new_output
+
+    check_new_output(args.out)  # before the compression, which can take an hour
     from hardy.cli.common import requested_device
 
     # a Hugging Face directory compressed on the CPU: blocks streamed from disk, one at a time (on a
@@ -106,12 +111,25 @@ def run(args) -> int:
         if tokenizer is None:
             raise HardyError(f"{args.model}: the model has no tokenizer to read --calib-data with")
         calib = calibration_batch(tokenizer, text, cfg.calib_samples, seq, cfg.seed)
-    t0 = time.perf_counter()
-    if weights is not None:
-        result = compress_from_disk(mcfg, weights, cfg, calib, progress=not args.no_progress)
-    else:
-        result = compress_model(loaded.model, cfg, calib, progress=not args.no_progress)
-    seconds = time.perf_counter() - t0
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()
+        if weights is not None:  # each block's packed results wait in a file beside the output until it is written
+            out_parent = Path(args.out).resolve().parent
+            out_parent.mkdir(parents=True, exist_ok=True)
+            spill_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=".hardy-spill-", dir=out_parent))
+            result = compress_from_disk(mcfg, weights, cfg, calib, progress=not args.no_progress, spill_dir=spill_dir)
+        else:
+            result = compress_model(loaded.model, cfg, calib, progress=not args.no_progress)
+        seconds = time.perf_counter() - t0
+        _save(args, mcfg, tokenizer, cfg, calib, result, seconds, group)
+    return 0
+
+
+def _save(args, mcfg, tokenizer, cfg, calib, result, seconds: float, group: int) -> None:
+    """The report, the output directory (its quantized tensors read back from the spill files, if any)
+    and the summary lines."""
+    from hardy.compress.store import save_compressed
+
     errors = [r.output_error for r in result.reports]
     rtn_errors = [r.rtn_output_error for r in result.reports if r.rtn_output_error is not None]
     report = {"layers": len(result.reports), "mean_output_error": statistics.fmean(errors),
@@ -130,7 +148,6 @@ def run(args) -> int:
         line += f" (RTN {report['mean_rtn_output_error']:.4f})"
     print(line)
     print(f"wrote {args.out} ({json.dumps(cfg.spec().to_dict()) if cfg.quant else 'float weights, pruned'})")
-    return 0
 
 
 def _weights_on_disk(spec: str):

@@ -10,11 +10,13 @@ quantization; then the compressed layer produces the next layer's inputs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from hardy.compress import awq, gptq, prune
 from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, rtn
+from hardy.compress.store import spill
 from hardy.formats.gguf_quant import PackedQuant
 from hardy.devices import compute_device
 from hardy.errors import HardyError
@@ -364,13 +366,15 @@ def _rtn_rows(weights, name: str, spec: QuantSpec) -> PackedQuant:
 
 
 def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor | None,
-                       progress: bool = True) -> CompressResult:
+                       progress: bool = True, spill_dir: Path | None = None) -> CompressResult:
     """`compress_model` on weights streamed from disk (`hardy.formats.lazy_weights.LazyWeights`): one
     block at a time is read (bf16 stays bf16 on disk), widened to fp32, compressed, packed and freed,
-    so memory holds one block's fp32 working set, its calibration statistics, the activations and the
-    packed results — an 8B model compresses in a fraction of its fp32 size. The same computation as
-    `compress_model` on the loaded model (tested bit for bit). `state` holds only the float tensors
-    that stay float (norms; dense embeddings; blocks outside `cfg.blocks`)."""
+    so memory holds one block's fp32 working set, its calibration statistics and the activations —
+    an 8B model compresses in a fraction of its fp32 size. With `spill_dir`, each block's packed
+    results go to a file there as soon as the block is done (`hardy.compress.store.spill`), so memory
+    does not grow with the model's depth either. The same computation as `compress_model` on the
+    loaded model (tested bit for bit). `state` holds only the float tensors that stay float (norms;
+    dense embeddings; blocks outside `cfg.blocks`)."""
     from tqdm import tqdm
 
     from hardy.model.llama import meta_transformer
@@ -397,6 +401,9 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
             else:
                 _compress_block(block, li, x, cos, sin, chunk, cfg, mcfg, quantized, reports, pack=True)
                 kept = [(n, p) for n, p in block.named_parameters() if f"layers.{li}.{n}" not in quantized]
+                if spill_dir is not None:
+                    names = [n for n in quantized if n.startswith(f"layers.{li}.")]
+                    spill(quantized, names, Path(spill_dir) / f"block_{li:05d}.safetensors")
             for name, param in kept:  # norms (AWQ may have rescaled them), or a whole uncompressed block
                 state[f"layers.{li}.{name}"] = param.detach().clone()
             block.to("meta")  # frees the block's fp32 weights
@@ -407,6 +414,8 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
         for name in tables:
             if table_spec is not None:
                 quantized[name] = _rtn_rows(weights, name, table_spec)
+                if spill_dir is not None:
+                    spill(quantized, [name], Path(spill_dir) / f"{name}.safetensors")
             else:
                 state[name] = weights.get(name)
     return CompressResult(quantized=quantized, state=state, reports=reports)

@@ -27,7 +27,7 @@ TORCH_DTYPES = {**{v: k for k, v in DTYPE_NAMES.items()}, "F64": torch.float64, 
 MAX_HEADER = 100 * 2 ** 20  # the format's own limit on the JSON header
 
 
-class _File:
+class SafetensorsFile:
     """One safetensors file's header, and reads of its tensors with pread: the file is not mapped,
     so what a compression has read of an 8B model does not stay in its resident memory (with
     `safe_open`'s map, each tensor's pages stayed: RSS grew by the file's 16 GB)."""
@@ -85,13 +85,13 @@ class LazyWeights:
 
     def __init__(self, path: Path, files: Iterable[str]):
         self.path = Path(path)
-        self._files: dict[str, _File] = {}
+        self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, tuple[str, str]] = {}  # hardy name -> (file, key in the file)
         for name in files:
             file = self.path / name
             if not file.is_file():
                 raise HardyError(f"{self.path}: missing weights file {name}")
-            self._files[name] = _File(file)
+            self._files[name] = SafetensorsFile(file)
             for key in self._files[name].tensors:
                 ours = from_format(key, "hf")
                 if ours is not None:
@@ -103,7 +103,7 @@ class LazyWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def _locate(self, name: str) -> tuple[_File, str]:
+    def _locate(self, name: str) -> tuple[SafetensorsFile, str]:
         if name not in self._where:
             raise HardyError(f"{self.path}: no weights for {name}")
         file, key = self._where[name]
