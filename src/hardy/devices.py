@@ -6,6 +6,8 @@ kernels are CPU code, so a quantized model stays on the CPU unless CUDA is asked
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import torch
 
@@ -96,9 +98,6 @@ def parse_cpulist(text: str) -> list[int]:
 def numa_cpus(root: str = NUMA_ROOT) -> list[list[int]]:
     """The CPUs of each NUMA node that has any (memory-only nodes left out), in node order; [] where
     the system does not say (not Linux, no sysfs)."""
-    import re
-    from pathlib import Path
-
     nodes = []
     try:
         for path in Path(root).iterdir():

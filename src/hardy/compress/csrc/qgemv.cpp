@@ -140,9 +140,8 @@ inline float scalar_groups(int64_t G, int64_t nb, int64_t bpg, const float* dx, 
   return acc;
 }
 
-// A Job computes a range of one matrix's tiles (of 8 rows); the
-// closure owns copies of everything it reads besides the tensors' storage, so a job can outlive
-// the call that made it.
+// A Job computes a range of one matrix's tiles of 8 rows; the closure owns copies of everything it
+// reads besides the tensors' storage, so a job can outlive the call that made it.
 struct Job {
   std::function<void(int64_t, int64_t)> run;
   int64_t tiles;
@@ -231,7 +230,7 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
 Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& mins,
            int64_t group, int64_t N, float* Y) {
   const int64_t T = in.T, K = in.K, nb = K / QK;
-  TORCH_CHECK(tiled.dtype() == at::kByte && tiled.is_contiguous() && tiled.size(1) * 2 == K &&
+  TORCH_CHECK(tiled.dtype() == at::kByte && tiled.is_contiguous() && tiled.size(1) * 2 == K && K % QK == 0 &&
               tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
               "int4 weights: contiguous uint8 [rows rounded up to 8, K/2] in the tiled layout");
   const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
@@ -327,7 +326,7 @@ inline void q8_tile8(const int8_t* W, const uint16_t* S, const int8_t* xq, const
 Job q8_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& scales, int64_t group, int64_t N,
            float* Y) {
   const int64_t T = in.T, K = in.K, nb = K / QK;
-  TORCH_CHECK(tiled.dtype() == at::kChar && tiled.is_contiguous() && tiled.size(1) == K &&
+  TORCH_CHECK(tiled.dtype() == at::kChar && tiled.is_contiguous() && tiled.size(1) == K && K % QK == 0 &&
               tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
               "int8 weights: contiguous int8 [rows rounded up to 8, K] in the tiled layout");
   const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
