@@ -1,7 +1,8 @@
-"""What the decode benches share: their command-line options and the `transformers` baseline
+"""What the decode benches share: their command-line options, a median timer and the `transformers` baseline
 (SmolLM2-135M fp32 from the same GGUF, greedy, exactly `new_tokens` tokens)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 
@@ -32,3 +33,14 @@ def transformers_smollm2(prompt: list[int], new_tokens: int, pad_id: int | None)
         return time.perf_counter() - t0, out[0, len(prompt):].tolist()
 
     return run
+
+
+def median_s(fn, n: int = 7) -> float:
+    """Median seconds of `n` calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

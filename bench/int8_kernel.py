@@ -9,10 +9,10 @@ or embedding table, GGUF Q8_0 and Q6_K tensors).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from decode_common import median_s
 
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
@@ -20,16 +20,6 @@ from hardy.compress.quant import QuantSpec, rtn
 
 SHAPES = [(49152, 576), (14336, 4096), (4096, 14336)]  # SmolLM2's head; 8B gate/up; 8B down
 SPECS = {"int8 g32": QuantSpec(8, 32), "int4 g32": QuantSpec(4, 32), "int4 g32 sym": QuantSpec(4, 32, True)}
-
-
-def median_s(fn, n: int = 25) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,7 +38,7 @@ def main() -> None:
             kernels.prepare(torch.nn.Sequential(layer))
             nbytes = sum(t.numel() * t.element_size() for t in kernels.kernel_tensors(layer))
             x = torch.randn(1, cols)
-            t = median_s(lambda: layer.kernel(x))
+            t = median_s(lambda: layer.kernel(x), 25)
             rate[name] = nbytes / t / 1e9
             print(f"{rows:>6}x{cols:<5} {name:>13} {t * 1e6:8.1f} {nbytes / 1e6:6.1f} {rate[name]:6.1f}", flush=True)
         print(f"{'':>12} int8 / int4 bytes per second: {rate['int8 g32'] / rate['int4 g32']:.2f}x")

@@ -7,26 +7,16 @@ hardy.compress.qlinear.FUSED_MAX_TOKENS is set from this.
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
+
+from decode_common import median_s
 
 from hardy.compress import kernels, qlinear
 from hardy.compress.qlinear import QuantLinear
 from hardy.compress.quant import QuantSpec, rtn
 
 SHAPES = [(14336, 4096), (4096, 4096), (1536, 576)]  # Llama-3.1-8B's gate/up and q, SmolLM2's gate/up
-
-
-def median_s(fn, n: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -172,6 +172,14 @@ void run_jobs(const std::vector<Job>& jobs) {
 // HasMin: the asymmetric grid (code · scale + min, Q4_1); without, the symmetric one ((code − 8) · scale,
 // Q4_0), whose offset term −8 · scale · Σx needs no bytes beyond the scales: 18 instead of 20 per 32.
 constexpr int64_t PF_BYTES = 16384;
+
+// The tiles' own prefetch runs PF_BYTES ahead: a job starts the first PF_BYTES of its range itself.
+inline void prefetch_start(const void* first, int64_t bytes) {
+#ifdef HARDY_AVX2
+  const char* p = static_cast<const char*>(first);
+  for (int64_t off = 0, n = std::min<int64_t>(PF_BYTES, bytes); off < n; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+#endif
+}
 template <bool HasMin>
 inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
                      const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid) {
@@ -252,12 +260,7 @@ Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
   const float* DX = in.scales.data();
   const auto tile = has_min ? q4_tile8<true> : q4_tile8<false>;  // the grid, chosen once per matrix
   auto run = [=](int64_t begin, int64_t end) {
-#ifdef HARDY_AVX2
-    // the tiles' own prefetch runs PF_BYTES ahead: start the first PF_BYTES of this range now
-    const char* first = reinterpret_cast<const char*>(W + begin * 4 * K);
-    for (int64_t off = 0, n = std::min<int64_t>(PF_BYTES, (end - begin) * 4 * K); off < n; off += 64)
-      _mm_prefetch(first + off, _MM_HINT_T0);
-#endif
+    prefetch_start(W + begin * 4 * K, (end - begin) * 4 * K);
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < T; ++t) {
         tile(W + i * 4 * K, S + i * G * 8, has_min ? M + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
@@ -338,11 +341,7 @@ Job q8_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& 
   const int8_t* XQ = in.codes.data();
   const float* DX = in.scales.data();
   auto run = [=](int64_t begin, int64_t end) {
-#ifdef HARDY_AVX2
-    const char* first = reinterpret_cast<const char*>(W + begin * 8 * K);
-    for (int64_t off = 0, n = std::min<int64_t>(PF_BYTES, (end - begin) * 8 * K); off < n; off += 64)
-      _mm_prefetch(first + off, _MM_HINT_T0);
-#endif
+    prefetch_start(W + begin * 8 * K, (end - begin) * 8 * K);
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < T; ++t)
         q8_tile8(W + i * 8 * K, S + i * G * 8, XQ + t * K, DX + t * nb, nb, G, bpg, Y + t * N + i * 8,
