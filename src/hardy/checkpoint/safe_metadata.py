@@ -1,5 +1,5 @@
 """DCP's `.metadata` is a pickle, and a checkpoint directory may come from someone else: the
-manifest's checksums prove integrity, not authenticity, so an unrestricted `pickle.load` of a
+manifest's checksums prove integrity, not authenticity, so unpickling a
 received run would run whatever code its author put there. Before DCP reads the file, hardy
 unpickles it with an allow-list: DCP's own metadata classes, `torch.Size`, torch's dtype / layout /
 memory-format constants, path objects and plain containers. Anything else ends the load with a one-line error
