@@ -1,9 +1,9 @@
 """DCP's `.metadata` is a pickle, and a checkpoint directory may come from someone else: the
-manifest's checksums prove integrity, not authenticity, so unpickling a
-received run would run whatever code its author put there. Before DCP reads the file, hardy
-unpickles it with an allow-list: DCP's own metadata classes, `torch.Size`, torch's dtype / layout /
-memory-format constants, path objects and plain containers. Anything else ends the load with a one-line error
-(exit 2) before a single object of the file is built by DCP.
+manifest's checksums prove integrity, not authenticity, so unpickling a received run would run
+whatever code its author put there. Before DCP reads the file, hardy unpickles it with an allow-list:
+DCP's own metadata classes, `torch.Size`, torch's dtype / layout / memory-format constants, path
+objects and plain containers. Anything else ends the load with a one-line error (exit 2) before a
+single object of the file is built by DCP.
 """
 from __future__ import annotations
 
