@@ -1,7 +1,6 @@
 """hardy serve: an OpenAI-compatible HTTP API with continuous batching (docs/serving.md)."""
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 
@@ -20,6 +19,16 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=None, help="KV cache length per request (default: the model's)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="open connections before new requests get 503 (default 256)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive after its headers (default 30)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions, instead of the model's own")
+    p.add_argument("--keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     add_tp_args(p)
     p.set_defaults(func=run)
 
@@ -30,16 +39,19 @@ def run(args) -> int:
     from hardy.cli.common import load_from_args, use_fast_prefill
     from hardy.errors import HardyError
     from hardy.parallel.distributed import leave_together
-    from hardy.serve.api import Server
     from hardy.serve.engine import Engine, ModelRunner, context_length
 
-    for key in ("max_batch", "max_queue", "max_tokens", "tp"):
+    for key in ("max_batch", "max_queue", "max_tokens", "tp", "max_connections"):
         if getattr(args, key) < 1:
             raise HardyError(f"--{key.replace('_', '-')} must be >= 1")
     if args.context is not None and args.context < 2:
         raise HardyError("--context must be >= 2")
     if args.drain_timeout < 0:
         raise HardyError("--drain-timeout must be >= 0")
+    for key in ("header_timeout", "body_timeout", "keep_alive"):
+        if not getattr(args, key) > 0:
+            raise HardyError(f"--{key.replace('_', '-')} must be > 0")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     if args.tp > 1:
         from hardy.infer.tensor_parallel import cpu_only
 
@@ -54,6 +66,8 @@ def run(args) -> int:
         os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(args.drain_timeout) + 15)
         return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
+    if template is not None:
+        loaded.tokenizer.chat_template = template
     use_fast_prefill(loaded)
     runner = ModelRunner
     if args.tp > 1:
@@ -62,44 +76,81 @@ def run(args) -> int:
 
         if shard_model(loaded.model, args.tp).rank != 0:  # a follower: no server, only forward passes
             sys.stdout = open(os.devnull, "w")
-            follow(loaded.model, args.max_batch, context_length(loaded.model, args.context))
+            if not follow(loaded.model, args.max_batch, context_length(loaded.model, args.context)):
+                print("hardy: rank 0 stopped in the middle of a forward pass; this worker stops too",
+                      file=sys.stderr, flush=True)
+                os._exit(1)  # the process group is broken: tearing it down could only hang
             leave_together()  # rank 0 said stop and meets us here
             return 0
         runner = LeaderRunner
     engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
                     runner=runner)
+    failed = serve_http(args, engine, loaded.tokenizer)
+    if failed:
+        print(f"hardy: error: the engine failed ({failed}); stopping", file=sys.stderr, flush=True)
+        if args.tp > 1:
+            os._exit(1)  # the followers sit in a collective: our exit is what ends it (serve/tensor_parallel.py)
+        return 1
+    if args.tp > 1:
+        leave_together()
+    return 0
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template file, refused up front (exit 2) when unreadable or not valid Jinja."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from hardy.errors import HardyError
+
     try:
-        server = Server((args.host, args.port), engine, loaded.tokenizer, args.name or args.model, args.max_tokens)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HardyError(f"--chat-template {path}: cannot read it ({e})") from None
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise HardyError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
+    if not text.strip():
+        raise HardyError(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def serve_http(args, engine, tokenizer) -> str | None:
+    """Serve until SIGTERM/SIGINT (after draining) or until the engine fails; close the engine. Returns
+    why the engine failed, or None."""
+    from hardy.errors import HardyError
+    from hardy.serve.api import create_app
+    from hardy.serve.transport import HttpServer, listen, server_config
+
+    try:
+        sock = listen(args.host, args.port)
     except OSError as e:
         engine.close()
-        if args.tp > 1:
-            leave_together()
         raise HardyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    host, port = server.server_address[:2]
-    print(f"hardy: serving {args.name or args.model} on http://{host}:{port}/v1 (max batch {args.max_batch}, "
-          f"context {engine.context})", flush=True)
+    app = create_app(engine, tokenizer, args.name or args.model, args.max_tokens, body_timeout=args.body_timeout)
     stopping = threading.Event()
+    server = HttpServer(server_config(app, header_timeout=args.header_timeout, keep_alive=args.keep_alive,
+                                      max_connections=args.max_connections), on_signal=stopping.set)
 
-    def drain_then_stop():  # started before serving: the signal handler itself only sets an event
-        stopping.wait()
+    def drain_then_stop():  # the signal handler itself only sets an event
+        while not stopping.wait(0.1):
+            if engine.failed:
+                server.should_exit = True
+                return
         done = engine.drain(args.drain_timeout)
         print(f"hardy: {'drained' if done else 'drain timeout; dropping'} running requests, stopping",
               file=sys.stderr, flush=True)
-        server.shutdown()
+        server.should_exit = True
 
-    def on_signal(signum, frame):
-        # Nothing that takes locks a handler thread's start-up may hold (a handler runs between any
-        # two bytecodes of the main thread, e.g. inside Thread.start() for a new connection).
-        stopping.set()
-
+    host, port = sock.getsockname()[:2]
+    print(f"hardy: serving {args.name or args.model} on http://{host}:{port}/v1 (max batch {args.max_batch}, "
+          f"context {engine.context})", flush=True)
     threading.Thread(target=drain_then_stop, name="hardy-drain", daemon=True).start()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
-        server.serve_forever(poll_interval=0.1)
+        server.run(sockets=[sock])
     finally:
-        server.server_close()
-        engine.close()  # under --tp this tells the followers to stop
-        if args.tp > 1:
-            leave_together()
-    return 0
+        sock.close()
+        engine.close()  # under --tp this tells the followers to stop (unless the engine failed)
+    return engine.failed

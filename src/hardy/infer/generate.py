@@ -52,16 +52,20 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
     """Next token from the last position's logits [vocab]. Sampling runs on the CPU with a CPU
     generator whatever the model's device, so a seed draws the same tokens on every device."""
-    if cfg.temperature == 0:
+    if cfg.temperature < MIN_TEMPERATURE:  # below this, logits / temperature overflows: greedy is the limit
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float().cpu() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_p, dim=-1)
         keep = cumulative - sorted_p < cfg.top_p  # smallest prefix whose mass reaches top_p
+        keep[0] = True  # the most likely token always stays, however small top_p is (even 0 in float32)
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
         return int(order[choice])

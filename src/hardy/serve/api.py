@@ -1,69 +1,53 @@
-"""An OpenAI-compatible HTTP API over the engine (stdlib http.server, one thread per connection):
-POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models, GET /health.
+"""An OpenAI-compatible HTTP API over the engine, on FastAPI (served by uvicorn, serve/transport.py):
+POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
+GET /health, GET /metrics (Prometheus), GET /openapi.json.
 
-Every client mistake is a 4xx with a JSON error body, and none reaches the engine: malformed JSON or
-fields (400), unknown model (404), a prompt plus max_tokens beyond the context (400,
+Every client mistake is a 4xx with OpenAI's error body, and none reaches the engine: malformed JSON
+or fields (400), unknown model (404), a prompt plus max_tokens beyond the context (400,
 code "context_length_exceeded"), max_tokens above the server's limit (400), a full queue (503 with
-Retry-After), a server draining for shutdown (503).
+Retry-After), a server draining for shutdown (503). A failure inside the engine reaches the
+waiting request as a 500; a client that leaves frees its slot at the engine's next step.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from hardy.errors import HardyError
 from hardy.infer.generate import SamplingConfig
-from hardy.serve.engine import Engine, QueueFull, Request, ShuttingDown
+from hardy.serve.engine import Engine, EngineFailed, QueueFull, Request, ShuttingDown
+from hardy.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from hardy.serve.schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
+                                 ErrorResponse, Health, ModelList)
+from hardy.serve.transport import BodyGuard, error_body
 
 MAX_BODY = 1 << 20
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 500, 503)}
+# each server-sent event: `data: <a JSON chunk>` ... then `data: [DONE]`
+STREAMED = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}}}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+        self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address, engine: Engine, tokenizer, model_name: str, max_tokens_limit: int):
-        super().__init__(address, Handler)
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.max_tokens_limit = max_tokens_limit
-        self.started = int(time.time())
-
-
-def _int_field(body: dict, key: str, default: int, low: int, high: int | None = None) -> int:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ApiError(400, f"'{key}' must be an integer >= {low}", "invalid_request_error")
-    if high is not None and value > high:
-        raise ApiError(400, f"'{key}' = {value} exceeds this server's limit of {high}", "invalid_request_error")
-    return value
-
-
-def _float_field(body: dict, key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ApiError(400, f"'{key}' must be a number in [{low}, {high}]", "invalid_request_error")
-    return float(value)
-
-
-def _stop_field(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(isinstance(x, str) and x for x in stops):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of 1 to 4 of them", "invalid_request_error")
-    return stops
+def _error_response(status: int, message: str, code: str, param: str | None = None,
+                    retry_after: int | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": param, "code": code}}
+    return JSONResponse(body, status, headers={"Retry-After": str(retry_after)} if retry_after else None)
 
 
 class StopScanner:
@@ -95,205 +79,246 @@ class StopScanner:
         return out
 
 
-class Handler(BaseHTTPRequestHandler):
-    server: Server
-    protocol_version = "HTTP/1.1"
+class AsyncEvents:
+    """A request's event queue as the engine thread sees it (`put`) and as the event loop reads it."""
 
-    def log_message(self, fmt, *args):  # quiet: one line per request would drown the console
-        pass
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
 
-    # ------------------------------------------------------------------ plumbing
-    def _json(self, status: int, payload: dict, headers: dict | None = None) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, e: ApiError) -> None:
-        headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
-        self._json(e.status, {"error": {"message": e.message, "type": "invalid_request_error" if e.status < 500
-                                        else "server_error", "code": e.code}}, headers)
-
-    def _body(self) -> dict:
+    def put(self, item) -> None:
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            raise ApiError(400, "bad Content-Length", "invalid_request_error") from None
-        if length > MAX_BODY:
-            raise ApiError(413, f"request body over {MAX_BODY} bytes", "request_too_large")
-        raw = self.rfile.read(length) if length else b""
-        try:
-            body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON: {e}", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", "invalid_request_error")
-        return body
-
-    # ------------------------------------------------------------------ routes
-    def do_GET(self):
-        try:
-            if self.path == "/health":
-                engine = self.server.engine
-                self._json(200 if engine.accepting else 503, {
-                    "status": "ok" if engine.accepting else "draining", "running": engine.busy,
-                    "largest_batch": engine.largest_batch, "decode_steps": engine.steps,
-                    "processes": engine.runner.processes})
-            elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
-                                                              "created": self.server.started, "owned_by": "hardy"}]})
-            else:
-                raise ApiError(404, f"no route GET {self.path}", "not_found")
-        except ApiError as e:
-            self._error(e)
-
-    def do_POST(self):
-        try:
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                raise ApiError(404, f"no route POST {self.path}", "not_found")
-            body = self._body()
-            chat = self.path == "/v1/chat/completions"
-            request, stream = self._make_request(body, chat)
-            try:
-                self.server.engine.submit(request)
-            except QueueFull:
-                raise ApiError(503, "the request queue is full; retry shortly", "queue_full", retry_after=1) from None
-            except ShuttingDown:
-                raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=5) from None
-            if stream:
-                self._stream(request, chat)
-            else:
-                self._complete(request, chat)
-        except ApiError as e:
-            self._error(e)
-        except (BrokenPipeError, ConnectionResetError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
             pass
 
-    def _make_request(self, body: dict, chat: bool) -> tuple[Request, bool]:
-        server, tok = self.server, self.server.tokenizer
-        model = body.get("model")
-        if model is not None and model != server.model_name:
-            raise ApiError(404, f"model {model!r} is not served here (serving {server.model_name!r})", "model_not_found")
+    async def get(self):
+        return await self.queue.get()
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int, *,
+               max_body: int = MAX_BODY, body_timeout: float = 30.0):
+    """The ASGI application: FastAPI's routes behind the body limits (serve/transport.py)."""
+    app = FastAPI(title="hardy", version="1", summary="OpenAI-compatible completions from a hardy model",
+                  docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine)
+    started = int(time.time())
+    api = _Api(engine, tokenizer, model_name, max_tokens_limit, metrics)
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, e: ApiError):
+        return _error_response(e.status, e.message, e.code, e.param, e.retry_after)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HttpRequest, e: RequestValidationError):
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return _error_response(400, "malformed JSON in the request body", "invalid_json")
+        if "json" not in request.headers.get("content-type", ""):
+            return _error_response(400, "the request body must be JSON, sent with Content-Type: application/json",
+                                   "invalid_request_error")
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        where = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(where) or None
+        message = f"'{param}': {first['msg']}" if param else f"the request body: {first['msg']}"
+        return _error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        response = _error_response(e.status_code, str(e.detail), HTTP_CODES.get(e.status_code, "http_error"))
+        response.headers.update(e.headers or {})  # e.g. 405's Allow
+        if e.status_code in (408, 413):  # the rest of the body is still on its way: do not read it
+            response.headers["Connection"] = "close"
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected(_, e: Exception):
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    @app.post("/v1/completions", response_model=Completion, responses={**ERRORS, **STREAMED})
+    async def completions(body: CompletionRequest, request: HttpRequest):
+        return await api.serve(body, request, chat=False)
+
+    # A model without a chat template answers chat requests 400 and leaves the route out of its schema.
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERRORS, **STREAMED},
+              include_in_schema=bool(getattr(tokenizer, "chat_template", None)))
+    async def chat_completions(body: ChatCompletionRequest, request: HttpRequest):
+        return await api.serve(body, request, chat=True)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "hardy"}]}
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health():
+        status = "failed" if engine.failed else "ok" if engine.accepting else "draining"
+        body = {"status": status, "running": engine.busy, "largest_batch": engine.largest_batch,
+                "decode_steps": engine.steps, "processes": engine.runner.processes}
+        return JSONResponse(body, 200 if status == "ok" else 503)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():  # FastAPI documents 422; hardy answers 400, as OpenAI does
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):  # this server's own limit
+                fields = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                for key in ("max_tokens", "max_completion_tokens"):
+                    for option in fields.get(key, {}).get("anyOf", []):
+                        if option.get("type") == "integer":
+                            option["maximum"] = max_tokens_limit
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return BodyGuard(app, max_body, body_timeout, metrics.count_response)
+
+
+class _Api:
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_tokens_limit: int, metrics: ServerMetrics):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_tokens_limit, self.metrics = max_tokens_limit, metrics
+
+    # ------------------------------------------------------------------ admission
+    def _make_request(self, body, chat: bool) -> Request:
+        tok = self.tokenizer
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
+                           "model_not_found", "model")
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise ApiError(400, "'messages' must be a non-empty list of {role, content} strings",
-                               "invalid_request_error")
+            if not getattr(tok, "chat_template", None):
+                raise ApiError(400, "this model has no chat template: use /v1/completions", "invalid_request_error",
+                               "messages")
             try:
-                text = tok.apply_chat_template(messages)
+                text = tok.apply_chat_template([m.model_dump() for m in body.messages])
             except Exception as e:
-                raise ApiError(400, f"cannot apply the chat template: {e}", "invalid_request_error") from None
+                raise ApiError(400, f"cannot apply the chat template: {e}", "invalid_request_error", "messages") from None
         else:
-            text = body.get("prompt")
-            if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-                text = text[0]
-            if not isinstance(text, str) or not text:
-                raise ApiError(400, "'prompt' must be a non-empty string", "invalid_request_error")
+            text = body.text()
         try:
             prompt = tok.encode(text)
         except HardyError as e:
             raise ApiError(400, str(e), "invalid_request_error") from None
-        max_tokens = _int_field(body, "max_tokens", min(16 if not chat else 256, server.max_tokens_limit), 1,
-                                server.max_tokens_limit)
-        context = server.engine.context
+        limit = self.max_tokens_limit
+        for key in ("max_tokens", "max_completion_tokens"):
+            asked = getattr(body, key, None)
+            if asked is not None and asked > limit:
+                raise ApiError(400, f"'{key}' = {asked} exceeds this server's limit of {limit}",
+                               "invalid_request_error", key)
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or min(256 if chat else 16, limit)
+        context = self.engine.context
         if len(prompt) + max_tokens > context:
             raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                f"context of {context} tokens", "context_length_exceeded")
-        temperature = _float_field(body, "temperature", 0.0 if not chat else 0.0, 0.0, 2.0)
-        top_p = _float_field(body, "top_p", 1.0, 1e-6, 1.0)
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "'seed' must be an integer", "invalid_request_error")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "'stream' must be true or false", "invalid_request_error")
-        sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        return Request(prompt=prompt, sampling=sampling, stop_ids=set(tok.stop_ids), stop=_stop_field(body)), stream
+                                f"context of {context} tokens", "context_length_exceeded", "max_tokens")
+        sampling = SamplingConfig(max_new_tokens=max_tokens, temperature=float(body.temperature or 0.0),
+                                  top_p=float(1.0 if body.top_p is None else body.top_p), seed=body.seed)
+        return Request(prompt=prompt, sampling=sampling, stop_ids=set(tok.stop_ids), stop=body.stops(),
+                       events=AsyncEvents(asyncio.get_running_loop()))
 
-    def _events(self, request: Request):
-        while True:
-            kind, value = request.events.get()
-            if kind == "error":
-                raise ApiError(500, f"generation failed: {value}", "server_error")
-            yield kind, value
-            if kind == "done":
-                return
+    async def serve(self, body, http: HttpRequest, chat: bool):
+        arrived = time.monotonic()
+        request = self._make_request(body, chat)
+        try:
+            self.engine.submit(request)
+        except QueueFull:
+            raise ApiError(503, "the request queue is full; retry shortly", "queue_full", retry_after=1) from None
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=5) from None
+        except EngineFailed as e:
+            raise ApiError(503, f"the engine has failed: {e}", "engine_failed") from None
+        self.metrics.prompt_tokens.inc(len(request.prompt))
+        if body.stream:
+            return StreamingResponse(self._stream(request, chat, arrived), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._complete(request, chat, arrived, http)
 
-    def _payload(self, request: Request, chat: bool, text: str | None, finish: str | None, chunk: bool) -> dict:
-        server = self.server
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "created": int(request.created),
-                "model": server.model_name}
-        if chat:
-            if chunk:
-                delta = {} if text is None else {"content": text}
-                return {**base, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            return {**base, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]}
-        return {**base, "object": "text_completion",
-                "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
-
-    def _usage(self, request: Request) -> dict:
-        completion = len([t for t in request.tokens if t not in request.stop_ids])
-        return {"prompt_tokens": len(request.prompt), "completion_tokens": completion,
-                "total_tokens": len(request.prompt) + completion}
-
-    def _generated(self, request: Request):
+    # ------------------------------------------------------------------ answers
+    async def _generated(self, request: Request, arrived: float):
         """(text to send, None) per token, then (remaining text, finish reason). A stop string ends
         the request early; the caller then cancels it, which frees its slot."""
-        decoder, scanner = self.server.tokenizer.stream_decoder(), StopScanner(request.stop)
-        for kind, value in self._events(request):
+        decoder, scanner = self.tokenizer.stream_decoder(), StopScanner(request.stop)
+        last = None
+        while True:
+            kind, value = await request.events.get()
+            if kind == "error":
+                raise ApiError(500, f"generation failed: {value}", "server_error")
             if kind == "done":
-                yield scanner.flush(), value
+                yield scanner.flush(), "length" if value == "length" else "stop"
                 return
+            now = time.monotonic()
+            (self.metrics.time_to_first_token if last is None else self.metrics.inter_token_latency).observe(
+                now - (arrived if last is None else last))
+            last = now
+            self.metrics.generated_tokens.inc()
             text = scanner.feed(decoder.step(value))
             if scanner.stopped:
                 yield text, "stop"
                 return
             yield text, None
 
-    def _complete(self, request: Request, chat: bool) -> None:
+    def _ids(self, request: Request, chat: bool) -> dict:
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "created": int(request.created),
+                "model": self.model_name}
+
+    def _usage(self, request: Request) -> dict:
+        completion = len([t for t in request.tokens if t not in request.stop_ids])
+        return {"prompt_tokens": len(request.prompt), "completion_tokens": completion,
+                "total_tokens": len(request.prompt) + completion}
+
+    async def _complete(self, request: Request, chat: bool, arrived: float, http: HttpRequest) -> dict:
+        async def cancel_on_disconnect():  # the body is in, so the next message can only be a disconnect
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            self.engine.cancel(request)
+
+        watcher = asyncio.ensure_future(cancel_on_disconnect())
         pieces, finish = [], None
         try:
-            for text, finish in self._generated(request):
+            async for text, finish in self._generated(request, arrived):
                 pieces.append(text)
         finally:
-            self.server.engine.cancel(request)  # after a stop string or a lost client: free the slot
-        payload = self._payload(request, chat, "".join(pieces), finish, chunk=False)
-        payload["usage"] = self._usage(request)
-        self._json(200, payload)
+            watcher.cancel()
+            self.engine.cancel(request)  # after a stop string: free the slot
+        text = "".join(pieces)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {**self._ids(request, chat), "object": "chat.completion", "choices": [choice],
+                    "usage": self._usage(request)}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {**self._ids(request, chat), "object": "text_completion", "choices": [choice],
+                "usage": self._usage(request)}
 
-    def _stream(self, request: Request, chat: bool) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
+    def _chunk(self, request: Request, chat: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant"} if role else {} if text is None else {"content": text}
+            return {**self._ids(request, chat), "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return {**self._ids(request, chat), "object": "text_completion",
+                "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
 
-        def send(payload) -> None:
-            self.wfile.write(f"data: {json.dumps(payload) if isinstance(payload, dict) else payload}\n\n".encode())
-            self.wfile.flush()
+    async def _stream(self, request: Request, chat: bool, arrived: float):
+        def event(payload) -> str:
+            return f"data: {json.dumps(payload) if isinstance(payload, dict) else payload}\n\n"
 
         try:
             if chat:
-                send({**self._payload(request, chat, None, None, chunk=True),
-                      "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-            for text, finish in self._generated(request):
+                yield event(self._chunk(request, chat, None, None, role=True))
+            async for text, finish in self._generated(request, arrived):
                 if text:
-                    send(self._payload(request, chat, text, None, chunk=True))
+                    yield event(self._chunk(request, chat, text, None))
                 if finish is not None:
-                    final = self._payload(request, chat, None if chat else "", finish, chunk=True)
+                    final = self._chunk(request, chat, None, finish)
                     final["usage"] = self._usage(request)
-                    send(final)
-        except ApiError as e:
-            send({"error": {"message": e.message, "type": "server_error", "code": e.code}})
+                    yield event(final)
+        except ApiError as e:  # the status line has gone out: the error travels as an event
+            yield event(json.loads(error_body(e.message, e.code, e.status)))
         finally:
-            self.server.engine.cancel(request)  # after a stop string or a lost client: free the slot
-        send("[DONE]")
+            self.engine.cancel(request)  # after a stop string or a lost client: free the slot
+        yield event("[DONE]")

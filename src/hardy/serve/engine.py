@@ -5,10 +5,17 @@ Each request gets a slot of a static KV cache [max_batch, ...]: its prompt is pr
 that slot, then every decode step feeds one token per active slot at that slot's own position
 (`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart). A request
 leaves at a stop token or its max_tokens and its slot takes the next waiting request.
+
+A forward pass that raises fails the requests it was for (their clients get a 500) and the engine
+serves on. Under `serve --tp` it cannot: the other ranks are left inside that pass's collectives, so
+the runner declares itself `fatal`, every request is failed and the engine stops (`failed` says why).
+`HARDY_SERVE_FAULT="prefill@N,decode@M"` makes the N-th prefill and the M-th decode pass raise, to
+test all this.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -17,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hardy.devices import compute_device
+from hardy.errors import HardyError
 from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.generate import SamplingConfig, sample
 
@@ -27,6 +35,25 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     pass
+
+
+class EngineFailed(Exception):
+    pass
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _faults_from_env() -> set[tuple[str, int]]:
+    spec = os.environ.get("HARDY_SERVE_FAULT", "")
+    faults = set()
+    for item in filter(None, spec.split(",")):
+        kind, _, n = item.strip().partition("@")
+        if kind not in ("prefill", "decode") or not n.isdigit() or int(n) < 1:
+            raise HardyError(f"HARDY_SERVE_FAULT={spec!r}: expected prefill@N or decode@N (N >= 1), comma-separated")
+        faults.add((kind, int(n)))
+    return faults
 
 
 @dataclass
@@ -60,16 +87,25 @@ class ModelRunner:
     `serve --tp` a subclass announces each pass to the other ranks first (hardy.serve.tensor_parallel)."""
 
     processes = 1  # how many processes each forward pass runs on
+    fatal = False  # set when a failed pass leaves the runner unusable (tensor parallel)
 
     def __init__(self, model, max_batch: int, context: int):
         self.model = model
+        self._faults = _faults_from_env()
+        self._passes = {"prefill": 0, "decode": 0}
         self.device = compute_device(model)
         model.setup_kv_cache(max_batch, context)
         self._caches = [layer.attention.kv_cache for layer in model.layers]
 
+    def _maybe_fail(self, kind: str) -> None:
+        self._passes[kind] += 1
+        if (kind, self._passes[kind]) in self._faults:
+            raise InjectedFault(f"injected fault in {kind} pass {self._passes[kind]} (HARDY_SERVE_FAULT)")
+
     @torch.inference_mode()
     def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
         """Fill cache row `row` with `prompt` [1, L]; the logits after its last token [V]."""
+        self._maybe_fail("prefill")
         for layer, cache in zip(self.model.layers, self._caches):
             layer.attention.kv_cache = cache.rows(row, row + 1)
         try:
@@ -81,6 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens [n, 1] at positions [n]) for cache rows 0..n-1; logits [n, V]."""
+        self._maybe_fail("decode")
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         return self.model.output(decode_hidden(self.model, tokens, positions)[:, -1])
 
@@ -101,6 +138,7 @@ class Engine:
         self.accepting = True
         self.largest_batch = 0  # the most requests decoded together so far (observable by tests)
         self.steps = 0
+        self.failed: str | None = None  # why the engine stopped for good (a fatal runner failure)
         self._stop = threading.Event()
         # Submissions and the end of admission are ordered by this lock, and only the engine thread
         # (which owns the hand-over from queue to slot) declares the drain complete: no request can
@@ -116,6 +154,8 @@ class Engine:
         if request.sampling.seed is not None:
             request.generator = torch.Generator().manual_seed(request.sampling.seed)
         with self._admission:
+            if self.failed:
+                raise EngineFailed(self.failed)
             if not self.accepting:
                 raise ShuttingDown()
             try:
@@ -161,7 +201,13 @@ class Engine:
         if req.cancelled:
             req.events.put(("done", "cancelled"))
             return
-        logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]))
+        try:
+            logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]))
+        except Exception as e:  # this request fails; the others are untouched (unless the runner is fatal)
+            req.events.put(("error", f"{type(e).__name__}: {e}"))
+            if self.runner.fatal:
+                raise
+            return
         self.slots[slot_index] = _Slot(req, position=len(req.prompt), last=0)
         token = sample(logits, req.sampling, req.generator)
         if not self._emit(slot_index, token):
@@ -193,8 +239,26 @@ class Engine:
     def _loop(self) -> None:
         try:
             self._serve_loop()
+        except BaseException as e:  # nothing may wait forever on an engine that has stopped
+            self._fail_everything(f"{type(e).__name__}: {e}")
+            raise
         finally:
             self.runner.finish()
+
+    def _fail_everything(self, reason: str) -> None:
+        with self._admission:
+            self.failed = self.failed or reason
+            self.accepting = False
+        for i, s in enumerate(self.slots):
+            if s is not None:
+                s.request.events.put(("error", reason))
+                self.slots[i] = None
+        while True:
+            try:
+                self.waiting.get_nowait().events.put(("error", f"the engine stopped: {reason}"))
+            except queue.Empty:
+                break
+        self._drained.set()
 
     def _serve_loop(self) -> None:
         while not self._stop.is_set():
@@ -214,7 +278,11 @@ class Engine:
                         continue
                     self._prefill(0, req)
             except Exception as e:  # a failing forward must not strand clients: fail what is running
+                reason = f"{type(e).__name__}: {e}"
+                if self.runner.fatal:
+                    self._fail_everything(reason)
+                    return
                 for i, s in enumerate(self.slots):
                     if s is not None:
-                        s.request.events.put(("error", f"{type(e).__name__}: {e}"))
+                        s.request.events.put(("error", reason))
                         self.slots[i] = None

@@ -7,6 +7,11 @@ the same collectives in the same order. Logits come out replicated and only rank
 idle, rank 0 sends a keep-alive now and then, so the followers' waiting broadcast never reaches
 the process group's timeout. The followers ignore SIGTERM/SIGINT: rank 0 drains and then tells
 them to stop.
+
+A pass that raises on rank 0 after its announcement leaves the followers inside that pass's
+collectives, where no STOP can reach them: the runner turns `fatal`, rank 0 fails every request and
+exits, and its closed gloo connections end the followers' waiting collectives, so they exit too
+(`follow` returns False) instead of waiting out the process group's timeout.
 """
 from __future__ import annotations
 
@@ -37,27 +42,38 @@ class LeaderRunner(ModelRunner):
         self._last = time.monotonic()
 
     def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
-        self._announce(PREFILL, row, prompt.shape[1], prompt)
-        return super().prefill(row, prompt)
+        try:
+            self._announce(PREFILL, row, prompt.shape[1], prompt)
+            return super().prefill(row, prompt)
+        except Exception:
+            self.fatal = True
+            raise
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self._announce(DECODE, tokens.shape[0], 0, torch.cat([tokens[:, 0], positions]))
-        return super().decode(tokens, positions)
+        try:
+            self._announce(DECODE, tokens.shape[0], 0, torch.cat([tokens[:, 0], positions]))
+            return super().decode(tokens, positions)
+        except Exception:
+            self.fatal = True
+            raise
 
     def idle(self) -> None:
         if time.monotonic() - self._last > KEEPALIVE_S:
             self._announce(KEEPALIVE)
 
     def finish(self) -> None:
-        self._announce(STOP)
+        if not self.fatal:  # a fatal failure: the followers are in a collective and only our exit frees them
+            self._announce(STOP)
         super().finish()
 
 
-def follow(model, max_batch: int, context: int) -> None:
-    """Ranks 1..N-1: repeat rank 0's forward passes until it says stop."""
+def follow(model, max_batch: int, context: int) -> bool:
+    """Ranks 1..N-1: repeat rank 0's forward passes until it says stop (True), or until rank 0 is gone
+    (False: a collective failed because its connections closed)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when serving ends
     runner = ModelRunner(model, max_batch, context)
+    runner._faults = set()  # injected faults (HARDY_SERVE_FAULT) are rank 0's
     try:
         while True:
             header = torch.empty(3, dtype=torch.long)
@@ -72,6 +88,8 @@ def follow(model, max_batch: int, context: int) -> None:
                 dist.broadcast(flat, src=0)
                 runner.decode(flat[:a, None], flat[a:])
             elif op == STOP:
-                return
+                return True
+    except RuntimeError:  # gloo: "Connection closed by peer" and the like
+        return False
     finally:
         runner.finish()

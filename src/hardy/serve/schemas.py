@@ -1,0 +1,159 @@
+"""The OpenAI request and response bodies hardy serves, as pydantic models: FastAPI validates every
+request against them and publishes them in /openapi.json. Unknown request fields are ignored, as
+OpenAI does; known ones are checked strictly (a string is not a number, a number not a boolean)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
+
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
+
+
+def _whole_number(value):
+    """JSON Schema counts 3.0 as an integer; so do we. Booleans and strings are not numbers here."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an integer")
+    return value
+
+
+def integer(**bounds):
+    # the bounds first: after the validator they would reach the JSON schema as "ge" instead of "minimum"
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[integer(ge=1)] = None
+    n: Optional[integer(ge=1, le=1, description="only 1 is supported")] = None
+    # strict floats take integers too, but neither strings nor booleans
+    temperature: Optional[Annotated[float, Field(strict=True, ge=0, le=2)]] = None
+    top_p: Optional[Annotated[float, Field(strict=True, gt=0, le=1)]] = None
+    seed: Optional[integer()] = None
+    stream: Optional[StrictBool] = False
+    stop: Optional[Union[NonEmpty, Annotated[list[NonEmpty], Field(min_length=1, max_length=4)]]] = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Request):
+    prompt: Union[NonEmpty, Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]]
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr
+
+
+class ChatCompletionRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # newer OpenAI clients send this name for the same limit (it wins when both are given)
+    max_completion_tokens: Optional[integer(ge=1)] = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Optional[Literal["stop", "length"]]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "draining", "failed"]
+    running: int
+    largest_batch: int
+    decode_steps: int
+    processes: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

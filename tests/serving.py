@@ -1,0 +1,44 @@
+"""A `hardy serve` subprocess for the serving tests, and the plain HTTP client they talk to it with."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+class Served:
+    def __init__(self, model: str, *extra: str, env: dict | None = None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "hardy", "serve", "--model", model, "--port", "0", *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+        line = self.proc.stdout.readline()
+        assert "serving" in line, line + self.proc.stderr.read()
+        self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        return resp.status, resp.headers, payload  # headers: case-insensitive
+
+    def json(self, method, path, body=None, **kw):
+        status, headers, payload = self.request(method, path, body, **kw)
+        return status, headers, json.loads(payload)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
