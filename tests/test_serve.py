@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from serving import Served
 from hardy.formats.load import load_model
@@ -204,3 +205,17 @@ def test_tp2_server_starts_its_workers_batches_and_drains(mini_run, reference):
         s.stop()
         raise
     sigterm_drains_a_running_request(s)
+
+
+def test_sampling_survives_extreme_top_p_and_temperature():
+    """Found by the schemathesis run: top_p = 5e-324 is 0 in float32 and kept no token at all (NaN
+    probabilities, a 500). The most likely token now always stays; a temperature too small to divide
+    by is the greedy limit."""
+    from hardy.infer.generate import sample
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    gen = torch.Generator().manual_seed(0)
+    assert all(sample(logits, SamplingConfig(temperature=1.0, top_p=5e-324), gen) == 1 for _ in range(20))
+    assert sample(logits, SamplingConfig(temperature=1e-300), gen) == 1
+    drawn = {sample(logits, SamplingConfig(temperature=1.0, top_p=0.6), gen) for _ in range(200)}
+    assert drawn == {1, 3}  # 1 alone holds 0.46 < 0.6 of the mass: the nucleus is {1, 3}
