@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hardy.errors import HardyError
-from hardy.formats.names import from_format, unpermute_qk
+from hardy.formats.names import check_layer_count, from_format, unpermute_qk
 from hardy.model.config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -57,6 +57,15 @@ def config_from_gguf(fields: dict, path: Path, name: str = "custom") -> ModelCon
             raise HardyError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
+    try:
+        return _config(fields, arch, get, name)
+    except HardyError as e:  # the config's own checks: say which file
+        raise HardyError(f"{path}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong type (a string for a count ...)
+        raise HardyError(f"{path}: bad model metadata ({e})") from None
+
+
+def _config(fields: dict, arch: str, get, name: str) -> ModelConfig:
     n_heads = int(get("attention.head_count"))
     dim = int(get("embedding_length"))
     vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
@@ -92,6 +101,31 @@ def dequantize_tensor(t) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+def check_shapes(cfg: ModelConfig, tensors, path: Path) -> None:
+    """Every tensor the model needs is there with the shape the metadata implies, before any is
+    converted (a damaged head count or width would otherwise fail deep inside a reshape)."""
+    from hardy.model.llama import meta_transformer
+
+    check_layer_count(cfg.n_layers, [n for n in (from_format(t.name, "gguf") for t in tensors) if n], path)
+    expected = {k: tuple(v.shape) for k, v in meta_transformer(cfg).state_dict().items()
+                if not k.startswith("rope_")}
+    found = {}
+    for t in tensors:
+        ours = from_format(t.name, "gguf")
+        if ours is None:
+            continue
+        if ours in found:
+            raise HardyError(f"{path}: tensor {t.name} appears twice")
+        found[ours] = tuple(int(d) for d in reversed(t.shape))
+        if ours not in expected:
+            raise HardyError(f"{path}: tensor {t.name} does not belong to a {cfg.n_layers}-layer model")
+        if found[ours] != expected[ours]:
+            raise HardyError(f"{path}: tensor {t.name} has shape {found[ours]}, the metadata implies {expected[ours]}")
+    missing = sorted(set(expected) - set(found) - {"output.weight"})
+    if missing:
+        raise HardyError(f"{path}: weights missing for {missing[:3]}")
+
+
 def load_gguf(path: str | os.PathLike, name: str = "custom"):
     """Return (config, fp32 state dict in hardy names, tokenizer, metadata fields)."""
     from hardy.formats.tokenizer import tokenizer_from_gguf_fields
@@ -100,6 +134,8 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
     reader = open_gguf(path)
     fields = gguf_fields(reader)
     cfg = config_from_gguf(fields, path, name)
+    check_shapes(cfg, reader.tensors, path)
+    tokenizer = tokenizer_from_gguf_fields(fields, path)
     state = {}
     for t in reader.tensors:
         ours = from_format(t.name, "gguf")
@@ -112,7 +148,6 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
             w = unpermute_qk(w, cfg.n_kv_heads)
         state[ours] = w
     cfg = cfg.replace(tie_embeddings="output.weight" not in state)
-    tokenizer = tokenizer_from_gguf_fields(fields)
     return cfg, state, tokenizer, fields
 
 
@@ -131,6 +166,8 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
     reader = open_gguf(path)
     fields = gguf_fields(reader)
     cfg = config_from_gguf(fields, path, name)
+    check_shapes(cfg, reader.tensors, path)
+    tokenizer = tokenizer_from_gguf_fields(fields, path)
     state, quantized, types = {}, {}, {}
     tensors = [(t, from_format(t.name, "gguf")) for t in reader.tensors]
     tensors = [(t, ours) for t, ours in tensors if ours is not None]
@@ -150,7 +187,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
             reader.release(t)
             bar.update(1)
     cfg = cfg.replace(tie_embeddings="output.weight" not in state and "output.weight" not in quantized)
-    return cfg, state, quantized, tokenizer_from_gguf_fields(fields), types
+    return cfg, state, quantized, tokenizer, types
 
 
 def _progress(total: int, enabled: bool, desc: str):

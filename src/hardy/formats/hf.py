@@ -34,28 +34,51 @@ def hf_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: s
     }
 
 
+INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "head_dim", "max_position_embeddings")
+FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+
+
 def config_from_hf(data: dict, path: Path) -> ModelConfig:
+    if not isinstance(data, dict):
+        raise HardyError(f"{path}: config.json must hold a JSON object")
     if data.get("model_type") != "llama":
         raise HardyError(f"{path}: unsupported model_type {data.get('model_type')!r} (hardy supports 'llama')")
+    for key in INT_KEYS:  # a string or a float where a count belongs would fail far from here
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise HardyError(f"{path}: config.json {key} = {value!r} is not an integer")
+    for key in FLOAT_KEYS:
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise HardyError(f"{path}: config.json {key} = {value!r} is not a number")
+    try:
+        return _config(data)
+    except KeyError as e:
+        raise HardyError(f"{path}: config.json lacks {e.args[0]}") from None
+    except HardyError as e:  # the config's own checks: say which file
+        raise HardyError(f"{path}: {e}") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        raise HardyError(f"{path}: bad config.json ({type(e).__name__}: {e})") from None
+
+
+def _config(data: dict) -> ModelConfig:
     rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
     theta = data.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = None
     if rope.get("rope_type", rope.get("type")) == "llama3":
-        scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                              high_freq_factor=rope["high_freq_factor"],
-                              original_max_position=rope["original_max_position_embeddings"])
-    try:
-        n_heads, dim = data["num_attention_heads"], data["hidden_size"]
-        head_dim = data.get("head_dim")
-        return ModelConfig(
-            vocab_size=data["vocab_size"], dim=dim, n_layers=data["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=data.get("num_key_value_heads", n_heads), ffn_dim=data["intermediate_size"],
-            head_dim=head_dim if head_dim and head_dim != dim // n_heads else None,
-            norm_eps=data.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
-            max_seq_len=data.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(data.get("tie_word_embeddings", False)), name=data.get("hardy_preset", "custom"))
-    except KeyError as e:
-        raise HardyError(f"{path}: config.json lacks {e.args[0]}") from None
+        scaling = RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                              high_freq_factor=float(rope["high_freq_factor"]),
+                              original_max_position=int(rope["original_max_position_embeddings"]))
+    n_heads, dim = data["num_attention_heads"], data["hidden_size"]
+    head_dim = data.get("head_dim")
+    return ModelConfig(
+        vocab_size=data["vocab_size"], dim=dim, n_layers=data["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=data.get("num_key_value_heads") or n_heads, ffn_dim=data["intermediate_size"],
+        head_dim=head_dim if head_dim and head_dim != dim // n_heads else None,
+        norm_eps=float(data.get("rms_norm_eps") or 1e-5), rope_theta=float(theta), rope_scaling=scaling,
+        max_seq_len=data.get("max_position_embeddings") or 2048,
+        tie_embeddings=bool(data.get("tie_word_embeddings", False)), name=str(data.get("hardy_preset", "custom")))
 
 
 def open_hf_dir(path: str | os.PathLike):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hardy.errors import HardyError
+from hardy.formats.names import check_layer_count
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
 from hardy.model.llama import Transformer, meta_transformer
@@ -111,6 +112,7 @@ def config_for(spec: str) -> ModelConfig:
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
     """Build on the meta device and load the weights straight into place (no random init)."""
+    check_layer_count(cfg.n_layers, state, source)
     model = meta_transformer(cfg)
     expected = set(model.state_dict())
     if cfg.tie_embeddings:
@@ -183,6 +185,7 @@ def quantized_model(cfg, state, quantized, tokenizer, source: str, dtype: torch.
     from hardy.compress.kernels import prepare
     from hardy.compress.store import model_from_compressed
 
+    check_layer_count(cfg.n_layers, [*state, *quantized], source)
     model = model_from_compressed(cfg, state, quantized, source).to(device=device)
     state.clear()
     quantized.clear()

@@ -64,3 +64,13 @@ def permute_qk(w, n_heads: int):
 def unpermute_qk(w, n_heads: int):
     """llama.cpp -> HF row order; the inverse of `permute_qk`."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def check_layer_count(n_layers: int, names, source) -> None:
+    """The metadata's layer count against the layers whose weights are present, checked before a
+    model of that depth is built (a damaged count of 4 billion would otherwise build 4 billion modules)."""
+    from hardy.errors import HardyError
+
+    present = {int(m.group(1)) for m in (re.match(r"layers\.(\d+)\.", n) for n in names) if m}
+    if n_layers != len(present) or (present and max(present) != n_layers - 1):
+        raise HardyError(f"{source}: the metadata says {n_layers} layers, the weights hold {len(present)}")

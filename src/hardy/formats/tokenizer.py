@@ -227,18 +227,27 @@ class StreamDecoder:
         return self._stream.step(self._tok.backend, token_id) or ""
 
 
-def tokenizer_from_gguf_fields(fields: dict) -> HardyTokenizer:
+def tokenizer_from_gguf_fields(fields: dict, source: object = "GGUF file") -> HardyTokenizer:
     """Build the tokenizer from decoded GGUF key/values (`tokenizer.ggml.*`)."""
     kind = fields.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise HardyError(f"GGUF tokenizer model {kind!r} is not supported (hardy reads byte-level BPE, 'gpt2')")
+        raise HardyError(f"{source}: GGUF tokenizer model {kind!r} is not supported (hardy reads byte-level BPE, 'gpt2')")
     tokens = fields.get("tokenizer.ggml.tokens")
     merges = fields.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
-        raise HardyError("GGUF file has no tokenizer vocabulary/merges")
+        raise HardyError(f"{source}: no tokenizer vocabulary/merges")
+    if not all(isinstance(x, str) for x in tokens) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise HardyError(f"{source}: the tokenizer's tokens and merges must be strings ('a b' for a merge)")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        value = fields.get(key)
+        if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
+            raise HardyError(f"{source}: {key} = {value!r} is not a token of the vocabulary ({len(tokens)})")
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # tokenizers raises a bare Exception for inconsistent tables
+        raise HardyError(f"{source}: the tokenizer's tables do not agree ({e})") from None
     pre = fields.get("tokenizer.ggml.pre")
     backend.pre_tokenizer = pre_tokenizer_for(pre)
     backend.decoder = decoders.ByteLevel()
