@@ -58,10 +58,17 @@ def test_bf16_detection_reads_cpu_flags(monkeypatch):
         assert matmul_probe.has_fast_bf16(torch.device("cpu")) is expected
 
 
-def test_reduce_dtype_bf16_is_accepted(tmp_path, micro_dataset, fp32_losses):
-    in_process(tmp_path / "red", micro_dataset, "precision.reduce_dtype=bf16")
-    # Single process: nothing is reduced, so the result equals fp32.
-    assert step_losses(tmp_path / "red") == fp32_losses
+def test_reduce_dtype_reaches_fsdp2_and_rounds_the_gradients(tmp_path, micro_dataset, fp32_losses):
+    """One process through FSDP2 (a one-rank group): with reduce_dtype fp32 the wrapper changes no
+    number; with bf16 the gradients are rounded on their way through the reduction, so the losses move
+    (a little) — which they would not if the setting never reached FSDP2."""
+    for dtype in ("fp32", "bf16"):
+        in_process(tmp_path / dtype, micro_dataset, "parallel.wrap=fsdp", f"precision.reduce_dtype={dtype}")
+    start = {d: next(r for r in read_records(tmp_path / d) if r["event"] == "start") for d in ("fp32", "bf16")}
+    assert start["fp32"]["fsdp"]["reduce_dtype"] == ["float32"] and start["bf16"]["fsdp"]["reduce_dtype"] == ["bfloat16"]
+    assert step_losses(tmp_path / "fp32") == fp32_losses
+    rounded = step_losses(tmp_path / "bf16")
+    assert rounded != fp32_losses and rel_close(rounded, fp32_losses, 1e-4)
 
 
 def test_grad_clipping_uses_the_global_norm(tmp_path, micro_dataset):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainutil import launch, rel_close, step_losses
+from trainutil import launch, read_records, rel_close, step_losses
 
 RTOL = 1e-5
 
@@ -21,6 +21,7 @@ def runs(tmp_path_factory, micro_dataset):
             assert len(cache[name]) == 10
         return cache[name]
 
+    get.root = root
     return get
 
 
@@ -46,6 +47,11 @@ def test_fsdp_cpu_offload_trains_exactly_like_fsdp(runs):
     # That the policy is applied is checked in tests/test_gpu_paths.py.
     offload = runs("fsdp2_offload", 2, "parallel.dp_shard=2", "parallel.cpu_offload=true")
     assert offload == runs("fsdp2", 2, "parallel.dp_shard=2")
+    # and the two runs did differ in what FSDP2 was given: every unit offloaded in one, none in the other
+    policies = {name: next(r for r in read_records(runs.root / name) if r["event"] == "start")["fsdp"]
+                for name in ("fsdp2_offload", "fsdp2")}
+    assert policies["fsdp2_offload"]["offloaded"] == policies["fsdp2_offload"]["units"] > 0
+    assert policies["fsdp2"]["offloaded"] == 0
 
 
 def test_tensor_parallel_matches_single_process(runs):

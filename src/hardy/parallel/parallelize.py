@@ -182,6 +182,25 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool, param_dtype:
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 
 
+def fsdp_policies(model: nn.Module) -> dict | None:
+    """What FSDP2 was really given, read back from its units (None without FSDP2): how many units,
+    how many offload to the CPU, and the reduce dtype; recorded with each run so a setting that
+    never reached FSDP2 shows."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    groups = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+        if group is not None:
+            groups.append(group)
+    if not groups:
+        return None
+    reduce = {str(g.mp_policy.reduce_dtype).removeprefix("torch.") for g in groups}
+    return {"units": len(groups), "offloaded": sum(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups),
+            "reduce_dtype": sorted(reduce)}
+
+
 def fsdp_mesh(mesh, dims: ParallelDims):
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 

@@ -33,7 +33,7 @@ from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import grad_sq_norm, scale_grads
 from hardy.parallel.parallelize import preload as preload_parallel
-from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh,
+from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh, fsdp_policies,
                                         grad_sync_context, parallelize, wrapping)
 from hardy.train.config import TrainConfig
 from hardy.train.metrics import MetricsLogger
@@ -415,7 +415,8 @@ class Trainer:
         if peak:
             logger.print(f"MFU against {peak / 1e12:,.1f} TFLOP/s in all ({self.peak_source})")
         logger.event("start", step=self.step, config=self.resolved, peak_flops=peak, peak_source=self.peak_source,
-                     device=on, flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None)
+                     device=on, flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None,
+                     fsdp=fsdp_policies(self.model))
         watchdog = self.watchdog
         t_start = time.perf_counter()
         last_save, last_stall = time.perf_counter(), None
