@@ -13,9 +13,33 @@ import torch
 
 from hardy.errors import HardyError
 
+# The compute dtypes hardy's options name (--dtype, precision.dtype, the probe): the one map of them.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 # cuBLAS picks reduction orders per workspace; a fixed workspace makes its GEMMs repeatable
 # (NVIDIA's cuBLAS docs, "Results reproducibility"). Read once, when cuBLAS first starts.
 CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def cpuinfo_fields() -> dict[str, list[str]]:
+    """/proc/cpuinfo as {key: [its value on each processor]}; empty where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    fields: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), []).append(value.strip())
+    return fields
+
+
+def cpu_flags(fields: dict[str, list[str]] | None = None) -> set[str]:
+    """The CPU's feature flags (x86 lists them as "flags", arm64 as "Features")."""
+    fields = cpuinfo_fields() if fields is None else fields
+    return set((fields.get("flags") or fields.get("Features") or [""])[0].split())
 
 
 def resolve_device(spec: str | None, quantized: bool = False) -> torch.device:

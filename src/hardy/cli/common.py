@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from hardy.devices import DTYPES
 from hardy.errors import HardyError
 
 EXIT_USAGE = 2
@@ -17,7 +18,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"hardy: error: {message}\n")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_model_args(p, threads: bool = True, gguf: bool = True) -> None:

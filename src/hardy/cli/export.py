@@ -1,7 +1,7 @@
 """hardy export: write a model in another format."""
 from __future__ import annotations
 
-from hardy.cli.common import DTYPES
+from hardy.devices import DTYPES
 
 
 def register(sub) -> None:

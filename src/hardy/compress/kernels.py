@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hardy.devices import cpu_flags
+
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 # three translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
@@ -37,10 +39,7 @@ def _isa() -> tuple[str, list[str]]:
     forced = os.environ.get("HARDY_KERNEL_ISA")
     if forced == "generic":  # the portable build (tests, odd CPUs)
         return "generic", []
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
         return "generic", []
     if forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from hardy.devices import cpu_flags
+
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                          size: int | None = None, min_time: float = 0.3) -> float:
@@ -38,8 +40,4 @@ def has_fast_bf16(device: torch.device) -> bool:
     """False on CPUs without AVX512-BF16 / AMX (bf16 matmul there is ~100x slower than fp32)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())

@@ -19,31 +19,22 @@ from pathlib import Path
 import psutil
 import torch
 
+from hardy.devices import DTYPES, cpu_flags, cpuinfo_fields
 from hardy.errors import HardyError
 from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv, measure_layer_gemms,
                                     measure_quant_gemv, measure_training_gemms, sync)
 
 SCHEMA = "hardy.probe/1"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sve", "bf16", "i8mm")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KiB, MiB = 1 << 10, 1 << 20
 
 
 # ---------------------------------------------------------------- system description
 
 def cpu_info() -> dict:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    fields: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), []).append(value.strip())
+    fields = cpuinfo_fields()
     model = (fields.get("model name") or [platform.processor() or platform.machine()])[0]
-    # x86 lists "flags", arm64 lists "Features"
-    flags = set((fields.get("flags") or fields.get("Features") or [""])[0].split())
+    flags = cpu_flags(fields)
     sockets = len(set(fields["physical id"])) if "physical id" in fields else None
     mem = psutil.virtual_memory()
     isa_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags) or ("bf16" in flags and platform.machine() == "aarch64")

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hardy.devices import DTYPES
 from hardy.errors import HardyError
 from hardy.parallel.dims import WRAPS, ParallelDims
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def preload() -> None:

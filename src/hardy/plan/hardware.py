@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CATALOGUE = Path(__file__).with_name("catalogue.toml")
-DTYPES = ("fp32", "bf16", "fp16", "int8")
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 
 
 def interpolate_log(table: tuple[tuple[int, float], ...], x: float) -> float:
@@ -164,7 +164,7 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
     """One catalogue table → Hardware (units in the file: TFLOP/s, GB, GB/s, µs, USD/h)."""
     try:
         peak = {k: float(v) * 1e12 for k, v in data["peak_tflops"].items()}
-        unknown = sorted(set(peak) - set(DTYPES))
+        unknown = sorted(set(peak) - set(PRECISIONS))
         if unknown:
             raise ValueError(f"unknown dtype(s) {', '.join(unknown)}")
         return Hardware(
@@ -223,7 +223,7 @@ def describe_hardware(hw: Hardware) -> list[tuple[str, str]]:
         return f"{v / 1e12:,.1f}" if v >= 1e12 else f"{v / 1e12:.3g}"
 
     unit = "socket" if hw.kind == "cpu" else "device"
-    order = sorted(hw.peak_flops, key=lambda d: DTYPES.index(d) if d in DTYPES else len(DTYPES))
+    order = sorted(hw.peak_flops, key=lambda d: PRECISIONS.index(d) if d in PRECISIONS else len(PRECISIONS))
     peaks = ", ".join(f"{d} {tflops(hw.peak_flops[d])}" for d in order)
     rows = [("kind", hw.kind + (f", {hw.cores} cores per {unit}" if hw.cores else "")),
             ("description", hw.description),

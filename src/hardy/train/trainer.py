@@ -18,7 +18,7 @@ import torch
 
 from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from hardy.data.loader import PackedLoader
-from hardy.devices import configure_cuda
+from hardy.devices import DTYPES, configure_cuda
 from hardy.errors import HardyError
 from hardy.fsio import write_json_atomic
 from hardy.fault.goodput import account, format_goodput
@@ -33,7 +33,7 @@ from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import grad_sq_norm, scale_grads
 from hardy.parallel.parallelize import preload as preload_parallel
-from hardy.parallel.parallelize import (DTYPES, assign_full_state, autocast_context, build_mesh, fsdp_policies,
+from hardy.parallel.parallelize import (assign_full_state, autocast_context, build_mesh, fsdp_policies,
                                         grad_sync_context, parallelize, wrapping)
 from hardy.train.config import TrainConfig
 from hardy.train.metrics import MetricsLogger
