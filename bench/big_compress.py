@@ -31,7 +31,7 @@ LAYER = {"attention.wq": "q", "attention.wk": "kv", "attention.wv": "kv", "atten
 def write_hf_dir(out: Path, shape_name: str, seed: int = 0) -> None:
     from hardy.formats.hf import hf_config
     from hardy.formats.lazy_weights import write_safetensors
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.formats.names import to_format
     from hardy.model.config import ModelConfig
 

@@ -78,7 +78,7 @@ def write_gguf(path: Path, shape_name: str, qtype: str, seed: int = 0) -> None:
     import gguf
 
     from hardy.formats.gguf_io import open_gguf
-    from hardy.formats.load import smollm2_gguf_path
+    from hardy.loading.load import smollm2_gguf_path
 
     shape = SHAPES[shape_name]
     fields = open_gguf(smollm2_gguf_path()).fields
@@ -212,7 +212,7 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
     rng = np.random.default_rng(1)
     prompt = rng.integers(1000, 40000, prompt_len).tolist()
     if engine == "hardy":
-        from hardy.formats.load import load_model, set_threads
+        from hardy.loading.load import load_model, set_threads
         from hardy.infer.generate import SamplingConfig, generate
 
         set_threads(threads)

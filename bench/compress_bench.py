@@ -70,7 +70,7 @@ def main() -> None:
     from hardy.data.text import read_text
     from hardy.eval.compare import quality
     from hardy.eval.perplexity import paired_difference, perplexity
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     loaded = load_model(args.model)
     tok = loaded.tokenizer

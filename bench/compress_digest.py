@@ -12,7 +12,7 @@ import hashlib
 from hardy.cli.compress import calibration_batch
 from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.data.text import read_text
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 SETTINGS = (dict(quant="gptq", bits=4, group_size=128), dict(quant="awq", bits=4, group_size=128),
             dict(prune="sparsegpt", sparsity="0.5"),

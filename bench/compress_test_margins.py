@@ -13,7 +13,7 @@ from hardy.cli.compress import calibration_batch
 from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.data.text import read_text
 from hardy.eval.perplexity import perplexity
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 SETTINGS = [dict(quant=q, bits=b, group_size=128) for b in (4, 3) for q in ("rtn", "gptq", "awq")] + \
            [dict(prune=p, sparsity=s) for s in ("0.5", "2:4") for p in ("magnitude", "wanda", "sparsegpt")]

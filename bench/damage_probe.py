@@ -27,7 +27,7 @@ def main() -> None:
     from hardy.data.prepare import load_index, load_split
     from hardy.data.text import read_text
     from hardy.eval.perplexity import paired_difference, perplexity
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     torch.set_num_threads(2)
     loaded = load_model(args.model)

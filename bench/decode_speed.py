@@ -22,7 +22,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
 
     ours = load_model("smollm2-135m")

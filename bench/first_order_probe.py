@@ -46,7 +46,7 @@ def main() -> None:
     from hardy.data.text import read_text
     from hardy.eval.compare import quality
     from hardy.eval.perplexity import chunk_batches, plan_chunks
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     loaded = load_model(args.model)
     model, tok = loaded.model.eval(), loaded.tokenizer

@@ -6,7 +6,7 @@ their ratio.
 """
 import json, statistics, subprocess, sys
 path = sys.argv[1]
-H = ("import time,torch; torch.set_num_threads(2); t=time.perf_counter(); from hardy.formats.load import load_model; "
+H = ("import time,torch; torch.set_num_threads(2); t=time.perf_counter(); from hardy.loading.load import load_model; "
      f"m=load_model({path!r}, gguf='native'); print(time.perf_counter()-t)")
 L = ("import time; t=time.perf_counter(); import llama_cpp; "
      f"l=llama_cpp.Llama(model_path={path!r}, n_threads=2, n_ctx=600, verbose=False); print(time.perf_counter()-t)")

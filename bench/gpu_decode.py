@@ -32,7 +32,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from hardy.devices import resolve_device
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
 
     device = resolve_device(args.device)

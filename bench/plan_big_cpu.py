@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="reuse a profile written by `hardy probe`")
     args = ap.parse_args()
 
-    from hardy.formats.load import config_for
+    from hardy.loading.load import config_for
     from hardy.plan.hardware import get_hardware
     from hardy.plan.serve import plan_serve
     from hardy.plan.weights import layout_from_gguf

@@ -62,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()[0]:.2f} (other jobs on the cores distort both numbers)")
 
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
     from hardy.plan.hardware import get_hardware
     from hardy.plan.serve import plan_serve

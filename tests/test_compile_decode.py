@@ -9,7 +9,7 @@ from conftest import hardy_main, run_hardy
 
 @pytest.fixture(scope="module")
 def mini_model(mini_run):
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     return load_model(str(mini_run / "run")).model.eval()
 

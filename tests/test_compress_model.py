@@ -17,7 +17,7 @@ from conftest import hardy_main, run_hardy
 from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.compress.qlinear import QuantLinear, quantized_modules
 from hardy.eval.compare import quality
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 
 @dataclass

@@ -16,7 +16,7 @@ from hardy.compress.store import SpilledQuant
 from hardy.errors import HardyError
 from hardy.formats.hf import open_hf_dir
 from hardy.formats.lazy_weights import write_safetensors
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ def test_the_step_makes_one_synchronizing_call(tmp_path, micro_dataset):
 
 def test_generate_and_perplexity_on_cuda_equal_the_cpu(smollm2):
     from hardy.eval.perplexity import perplexity
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
 
     gpu = load_model("smollm2-135m", device="cuda")
@@ -178,7 +178,7 @@ def test_generate_and_perplexity_on_cuda_equal_the_cpu(smollm2):
 
 
 def test_serving_engine_on_cuda_matches_generate(smollm2):
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
     from hardy.infer.generate import SamplingConfig, generate
     from hardy.serve.engine import Engine, Request
 

@@ -9,7 +9,7 @@ import torch
 from conftest import hardy_main, run_hardy
 from hardy.eval.compare import CompareRow, pareto, quality
 from hardy.eval.perplexity import paired_difference, perplexity
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 
 def test_quality_matches_perplexity_and_kl_definitions(mini_run):

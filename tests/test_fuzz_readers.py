@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import hardy_main, run_hardy
 from fuzz_models import gguf_map, gguf_variants, load_each, write_variant
 from hardy.errors import HardyError
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 from test_cli import assert_one_line_error
 
 

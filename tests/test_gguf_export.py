@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import hardy_main, run_hardy
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 from hardy.formats.names import unpermute_qk
 
 gguf = pytest.importorskip("gguf")

@@ -15,7 +15,7 @@ from conftest import hardy_main, run_hardy
 from hardy.errors import HardyError
 from hardy.formats.gguf_io import load_gguf, load_gguf_quantized, open_gguf
 from hardy.formats.gguf_quant import INT4_G32, INT4_SYM_G32, INT8_G32, packed_from_gguf
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 gguf = pytest.importorskip("gguf")
 LEGACY = ("Q8_0", "Q4_0", "Q4_1")
@@ -145,7 +145,7 @@ def test_damaged_headers_are_one_line_errors(mini_ggufs, tmp_path):
 # Peak RSS from VmHWM after resetting it (ru_maxrss would start at the forking pytest's own RSS).
 MEMORY_PROBE = """
 import json, psutil, sys
-import hardy.formats.load as L
+import hardy.loading.load as L
 open("/proc/self/clear_refs", "w").write("5")
 base = psutil.Process().memory_info().rss
 m = L.load_model("smollm2-135m", gguf=sys.argv[1])

@@ -89,7 +89,7 @@ def test_fsdp_fp16_tracks_fp32_on_two_processes(tmp_path, micro_dataset):
     against fp32: after one AdamW step (≈ lr·sign(g) per weight, so any lost gradient shows as a
     missing update) the weights agree almost everywhere. The case is built to underflow: 4,096 tokens
     per rank per micro-batch; without a loss scale fp16 loses tens of times more updates."""
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     sets = ["parallel.dp_shard=2", "data.seq_len=256", "train.micro_batch=16", "train.steps=1",
             "optim.warmup_steps=0", "checkpoint.at_end=true", "train.peak_tflops=1"]  # no matmul probe

@@ -131,7 +131,7 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
 def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, mini_compressed, monkeypatch):
     from hardy.compress import qlinear
     from hardy.eval.perplexity import perplexity
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     loaded = load_model(str(mini_compressed("--bits", "4", "--group-size", "32", "--quantize-embeddings")))
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
@@ -144,7 +144,7 @@ def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, 
 
 
 def test_kv_cached_decode_matches_uncached_logits(mini_run):
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     model = load_model(str(mini_run / "run")).model
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -163,7 +163,7 @@ def test_kv_cached_decode_matches_uncached_logits(mini_run):
 
 @pytest.fixture(scope="module")
 def int4_and_int8_models(mini_compressed):
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     return {bits: load_model(str(mini_compressed("--bits", bits, "--group-size", group, "--quantize-embeddings"))).model
             for bits, group in (("4", "32"), ("8", "0"))}

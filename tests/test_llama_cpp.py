@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import hardy_main
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

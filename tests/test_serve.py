@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from serving import Served
-from hardy.formats.load import load_model
+from hardy.loading.load import load_model
 from hardy.infer.generate import SamplingConfig, generate
 
 PROMPTS = ["KING:", "First Citizen:\nBefore we", "ROMEO:\nO", "What is", "Thou art", "MENENIUS:"]

@@ -57,7 +57,7 @@ def test_sampling_is_seeded(smollm2):
 def test_safetensors_export_loads_in_transformers_with_equal_logits(smollm2, tmp_path):
     transformers = pytest.importorskip("transformers")
     from hardy.formats.hf import save_hf_dir
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     out = save_hf_dir(smollm2.config, smollm2.model.state_dict(), smollm2.tokenizer, tmp_path / "export")
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= {

@@ -65,7 +65,7 @@ def test_resume_continues_exactly(tmp_path, micro_dataset, dropout):
     summary = in_process(interrupted, micro_dataset, *sets)
     assert summary.steps == 10
     assert step_losses(interrupted) == step_losses(full)[5:]  # bitwise-identical losses for steps 6..10
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     resumed_state = load_model(str(interrupted)).model.state_dict()
     for name, p in load_model(str(full)).model.state_dict().items():  # final weights are bitwise equal
@@ -86,7 +86,7 @@ def test_checkpoint_layout_and_export_of_a_run(tmp_path, micro_dataset):
     out = tmp_path / "export"
     proc = run_hardy("export", "--model", str(run), "--format", "safetensors", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     exported, from_run = load_model(str(out)), load_model(str(run))
     x = torch.randint(0, 512, (1, 32))

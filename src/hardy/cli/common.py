@@ -47,7 +47,7 @@ def add_device_arg(p) -> None:
 def requested_device(args) -> torch.device:
     """The device `--device` names for `--model` (auto: see add_device_arg)."""
     from hardy.devices import resolve_device
-    from hardy.formats.load import is_quantized_source
+    from hardy.loading.load import is_quantized_source
 
     spec = getattr(args, "device", "auto")
     gguf = getattr(args, "gguf_weights", "float")
@@ -64,7 +64,7 @@ def add_tp_args(p) -> None:
 
 
 def load_from_args(args, need_tokenizer: bool = True):
-    from hardy.formats.load import load_model, set_threads
+    from hardy.loading.load import load_model, set_threads
 
     set_threads(getattr(args, "threads", None))
     tp_slices = None

@@ -90,7 +90,7 @@ def run(args) -> int:
     # GPU the model is loaded whole onto it, as before)
     weights = _weights_on_disk(args.model) if requested_device(args).type == "cpu" else None
     if weights is not None:
-        from hardy.formats.load import set_threads
+        from hardy.loading.load import set_threads
 
         set_threads(getattr(args, "threads", None))
         mcfg, weights, tokenizer = weights
@@ -155,7 +155,7 @@ def _weights_on_disk(spec: str):
     GGUF file, a run directory or a preset load whole; a `hardy compress` directory is refused)."""
     from hardy.compress.store import is_compressed_dir
     from hardy.errors import HardyError
-    from hardy.formats.load import resolve_source
+    from hardy.loading.load import resolve_source
 
     kind, path = resolve_source(spec)
     if kind != "hf":

@@ -74,7 +74,7 @@ def run_compare(args) -> int:
     from hardy.eval.compare import (CompareRow, format_table, measure_speed, plot, quality, rows_to_json,
                                     size_on_disk)
     from hardy.devices import resolve_device
-    from hardy.formats.load import is_quantized_source, load_model, set_threads
+    from hardy.loading.load import is_quantized_source, load_model, set_threads
 
     if len(args.model) < 2:
         raise HardyError("give at least two --model (the first is the reference)")

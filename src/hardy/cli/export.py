@@ -17,7 +17,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from hardy.formats.hf import save_hf_dir
-    from hardy.formats.load import load_model
+    from hardy.loading.load import load_model
 
     loaded = load_model(args.model)
     if args.format == "gguf":

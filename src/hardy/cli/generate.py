@@ -42,7 +42,7 @@ def run(args) -> int:
 
         cpu_only(args)
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
-        from hardy.formats.load import config_for
+        from hardy.loading.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
 
         check_tp(args.model, config_for(args.model), args.tp, getattr(args, "gguf_weights", "float"))  # bad input fails here, before any process starts

@@ -13,7 +13,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from hardy.formats.load import config_for
+    from hardy.loading.load import config_for
     from hardy.model.config import count_parameters
 
     cfg = config_for(args.model)

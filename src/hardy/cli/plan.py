@@ -48,7 +48,7 @@ def register_serve(group) -> None:
 
 
 def run_serve(args) -> int:
-    from hardy.formats.load import config_for, is_quantized_source, resolve_source
+    from hardy.loading.load import config_for, is_quantized_source, resolve_source
     from hardy.plan.hardware import get_hardware
     from hardy.plan.serve import FILE, plan_serve
 

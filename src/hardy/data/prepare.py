@@ -74,7 +74,7 @@ def build_tokenizer(spec: str, train_docs: list[str]):
 
     if spec == "smollm2":
         from hardy.formats.gguf_io import gguf_fields, open_gguf
-        from hardy.formats.load import smollm2_gguf_path
+        from hardy.formats.smollm2 import smollm2_gguf_path
         from hardy.formats.tokenizer import tokenizer_from_gguf_fields
 
         return tokenizer_from_gguf_fields(gguf_fields(open_gguf(smollm2_gguf_path())))

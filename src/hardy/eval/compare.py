@@ -41,11 +41,11 @@ class CompareRow:
 
 
 def size_on_disk(spec: str) -> int:
-    from hardy.formats.load import resolve_source
+    from hardy.loading.load import resolve_source
 
     kind, path = resolve_source(spec)
     if kind == "run":  # a training checkpoint also holds optimizer state: count the fp32 weights it exports
-        from hardy.formats.load import config_for
+        from hardy.loading.load import config_for
         from hardy.model.config import count_parameters
 
         return 4 * count_parameters(config_for(spec)).total
@@ -117,7 +117,7 @@ def measure_speed(spec: str, threads: int | None, prompt_tokens: int, new_tokens
 
 
 def _measure_main(spec: str, threads: int, prompt_tokens: int, new_tokens: int, device: str) -> None:
-    from hardy.formats.load import load_model, set_threads
+    from hardy.loading.load import load_model, set_threads
     from hardy.infer.generate import SamplingConfig, generate
     from hardy.ops.memory import peak_rss_bytes
 

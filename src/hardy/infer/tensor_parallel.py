@@ -59,7 +59,7 @@ def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
     check_tp_degree(cfg, tp)
     if gguf == "native":
         from hardy.formats.gguf_quant import native_layout
-        from hardy.formats.load import resolve_source
+        from hardy.loading.load import resolve_source
 
         kind, path = resolve_source(spec)
         if kind == "gguf":

@@ -172,6 +172,6 @@ def load_arch(spec: str) -> Arch:
         if family != "llama":
             raise HardyError(f"model config {path}: family must be llama or gpt (got {family!r})")
         return arch_from_llama(ModelConfig.from_dict(data))
-    from hardy.formats.load import config_for
+    from hardy.loading.load import config_for
 
     return arch_from_llama(config_for(spec))

@@ -24,16 +24,21 @@ def integer(**bounds):
     return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
 
 
+Count = integer(ge=1)
+OnlyOne = integer(ge=1, le=1, description="only 1 is supported")
+Seed = integer()
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = None
-    max_tokens: Optional[integer(ge=1)] = None
-    n: Optional[integer(ge=1, le=1, description="only 1 is supported")] = None
+    max_tokens: Optional[Count] = None
+    n: Optional[OnlyOne] = None
     # strict floats take integers too, but neither strings nor booleans
     temperature: Optional[Annotated[float, Field(strict=True, ge=0, le=2)]] = None
     top_p: Optional[Annotated[float, Field(strict=True, gt=0, le=1)]] = None
-    seed: Optional[integer()] = None
+    seed: Optional[Seed] = None
     stream: Optional[StrictBool] = False
     stop: Optional[Union[NonEmpty, Annotated[list[NonEmpty], Field(min_length=1, max_length=4)]]] = None
 
@@ -60,7 +65,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     # newer OpenAI clients send this name for the same limit (it wins when both are given)
-    max_completion_tokens: Optional[integer(ge=1)] = None
+    max_completion_tokens: Optional[Count] = None
 
 
 class Usage(BaseModel):

