@@ -20,8 +20,6 @@ KNOWN_UPWARD = {
     ("formats", "compress", "formats/gguf_quant.py"),
     ("parallel", "compress", "parallel/quantized_tp.py"),  # tensor-parallel slices of quantized layers
     ("parallel", "compress", "parallel/parallelize.py"),
-    ("ops", "plan", "ops/probe.py"),  # the probe's "train and compare with the planner" step
-    ("ops", "compress", "ops/kernel_probe.py"),
 }
 
 

@@ -92,7 +92,11 @@ def run(args) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():  # fail before a minute of measuring, not after
         raise HardyError(f"--out {out}: directory {out.parent} does not exist")
-    profile = run_probe(args.dir, quick=args.quick, progress=not args.json)
+    from hardy.compress.kernel_rate import measure_quant_gemv
+    from hardy.plan.runtime_probe import measure_training_runtime
+
+    profile = run_probe(args.dir, quick=args.quick, progress=not args.json, measure_quant=measure_quant_gemv,
+                        measure_runtime=measure_training_runtime)
     try:
         write_json_atomic(out, profile)
     except OSError as e:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -22,7 +23,7 @@ import torch
 from hardy.devices import DTYPES, cpu_flags, cpuinfo_fields
 from hardy.errors import HardyError
 from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv, measure_layer_gemms,
-                                    measure_quant_gemv, measure_training_gemms, sync)
+                                    measure_training_gemms, sync)
 
 SCHEMA = "hardy.probe/1"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sve", "bf16", "i8mm")
@@ -305,54 +306,12 @@ def measure_allreduce(quick: bool, timeout: float | None = None) -> dict:
 
 # ---------------------------------------------------------------- the probe
 
-def measure_training_runtime(directory: Path) -> dict:
-    """Memory a `hardy train` process holds beyond its tensors (allocator pools, thread stacks,
-    library workspaces, the data loader; with 2 processes also gloo and DDP): 3-step runs of the
-    `micro` preset, whose tensors the planner predicts, in child processes (1 process, then 2)."""
-    import tempfile
-
-    from hardy.data.prepare import prepare
-    from hardy.data.text import resolve_text_path
-    from hardy.plan.check import job_for_run, read_run
-    from hardy.plan.hardware import hardware_from_dict
-    from hardy.plan.train import plan_train
-
-    nominal = hardware_from_dict("nominal-cpu", {  # memory does not depend on the speeds
-        "kind": "cpu", "peak_tflops": {"fp32": 1.0}, "memory_gb": 1000, "bandwidth_gbs": 10, "flops_efficiency": 1,
-        "bandwidth_efficiency": 1, "devices_per_node": 2, "intra_node": {"name": "-", "bandwidth_gbs": 1,
-                                                                        "latency_us": 1},
-        "inter_node": {"name": "-", "bandwidth_gbs": 1, "latency_us": 1}})
-    out = {"model": "micro", "seq": 64, "micro_batch": 4, "threads": 1}
-    with tempfile.TemporaryDirectory(prefix="hardy-probe-", dir=directory) as tmp:
-        tmp = Path(tmp)
-        text = tmp / "text.txt"
-        text.write_text(resolve_text_path("tinyshakespeare").read_text()[:60_000])
-        prepare([str(text)], "bpe:512", tmp / "data", seed=0)
-        (tmp / "empty.toml").write_text("")
-        sets = ["model.preset=micro", f"data.path={tmp / 'data'}", "data.seq_len=64", "train.micro_batch=4",
-                "train.steps=3", "train.threads=1", "log.progress=false", "checkpoint.at_end=false",
-                "checkpoint.interval=0", "optim.warmup_steps=1", "train.release_memory=true"]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for nproc, key in ((1, "runtime_overhead_bytes"), (2, "distributed_runtime_overhead_bytes")):
-            run = tmp / f"run{nproc}"
-            launch = ["train"] if nproc == 1 else ["launch", "--nproc", "2"]
-            cmd = [sys.executable, "-m", "hardy", *launch, "--run-dir", str(run), str(tmp / "empty.toml")]
-            cmd += [a for s in sets for a in ("--set", s)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-            if proc.returncode != 0:
-                out["error"] = (proc.stderr.strip().splitlines() or ["hardy train failed"])[-1]
-                out.setdefault("runtime_overhead_bytes", 0.0)
-                break
-            config, events = read_run(run)
-            peak = max(e["peak_mem_bytes"] for e in events if e.get("event") == "step")
-            tensors = plan_train(job_for_run(config, nominal)).peak_memory
-            out[f"peak_bytes_{nproc}proc"] = peak
-            out[f"predicted_tensor_bytes_{nproc}proc"] = tensors
-            out[key] = max(0.0, peak - tensors)
-    return out
-
-
-def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> dict:
+def run_probe(directory: Path, quick: bool = False, progress: bool = True,
+              measure_quant: Callable[[torch.device, bool], dict | None] | None = None,
+              measure_runtime: Callable[[Path], dict] | None = None) -> dict:
+    """The machine's profile. The two steps that run higher layers (hardy's int4 kernel:
+    compress.kernel_rate; a real training run against the planner: plan.runtime_probe) are handed in
+    by the caller, so ops/ imports neither; without them their sections are left out."""
     from tqdm import tqdm
 
     directory = Path(directory)
@@ -389,7 +348,7 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
         profile["attention"] = measure_attention(device, best, quick)
         profile["elementwise"] = measure_elementwise(device, quick)
         profile["gemv"] = measure_gemv(device, quick)
-        quant = measure_quant_gemv(device, quick)
+        quant = measure_quant(device, quick) if measure_quant is not None else None
         if quant is not None:
             profile["quant_gemv"] = quant
 
@@ -407,7 +366,8 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True) -> di
         profile["allreduce"] = measure_allreduce(quick)
 
     def training():
-        profile["training_runtime"] = measure_training_runtime(directory) if device.type == "cpu" else None
+        run_it = measure_runtime is not None and device.type == "cpu"
+        profile["training_runtime"] = measure_runtime(directory) if run_it else None
 
     steps = [("system", system), ("matmul", matmul), ("training shapes", training_shapes),
              ("memory bandwidth", memory), ("dispatch", dispatch),
