@@ -99,6 +99,7 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     by_width = {int(w): r for w, r in profile["gemv"]["bandwidth_by_width"].items()}
     assert hw.decode_rate(576) == by_width[576] and hw.decode_rate(100_000) == by_width[4096]
     assert min(by_width.values()) <= hw.decode_rate(1000) <= max(by_width.values())
+    assert profile["quant_gemv"]["bandwidth"] > 0  # hardy probe hands the kernel's step to the probe
     tr = profile["training_runtime"]
     assert "error" not in tr, tr
     assert hw.runtime_overhead_bytes == tr["runtime_overhead_bytes"] >= 0
