@@ -16,7 +16,7 @@ from decode_common import median_s
 
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
-from hardy.compress.quant import QuantSpec, rtn
+from hardy.formats.quantized import QuantSpec, rtn
 
 SHAPES = [(49152, 576), (14336, 4096), (4096, 14336)]  # SmolLM2's head; 8B gate/up; 8B down
 SPECS = {"int8 g32": QuantSpec(8, 32), "int4 g32": QuantSpec(4, 32), "int4 g32 sym": QuantSpec(4, 32, True)}

@@ -14,7 +14,7 @@ from decode_common import median_s
 
 from hardy.compress import kernels, qlinear
 from hardy.compress.qlinear import QuantLinear
-from hardy.compress.quant import QuantSpec, rtn
+from hardy.formats.quantized import QuantSpec, rtn
 
 SHAPES = [(14336, 4096), (4096, 4096), (1536, 576)]  # Llama-3.1-8B's gate/up and q, SmolLM2's gate/up
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hardy.compress import awq, gptq, prune
-from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, pack_int4, rtn, unpack_int4
+from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, pack_int4, rtn, unpack_int4
 from hardy.errors import HardyError
 
 

@@ -221,7 +221,7 @@ def test_compression_on_cuda_tracks_the_cpu(micro_model):
 
 def test_quantized_kernels_refuse_cuda_tensors():
     from hardy.compress import kernels
-    from hardy.compress.quant import QuantSpec, rtn
+    from hardy.formats.quantized import QuantSpec, rtn
 
     module = kernels.load()
     qt = rtn(torch.randn(64, 64), QuantSpec(bits=8, group_size=32))

@@ -212,7 +212,7 @@ def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
     from torch import nn
 
     from hardy.compress import kernels, qlinear
-    from hardy.compress.quant import QuantSpec, rtn
+    from hardy.formats.quantized import QuantSpec, rtn
 
     if kernels.load() is None:
         pytest.skip("could not import 'hardy kernels': the extension did not build")

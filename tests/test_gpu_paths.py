@@ -271,7 +271,7 @@ def test_quantized_kernels_refuse_tensors_off_the_cpu():
     and a quantized layer moved off the CPU drops them for PyTorch's path."""
     from hardy.compress import kernels
     from hardy.compress.qlinear import QuantLinear
-    from hardy.compress.quant import QuantSpec, rtn
+    from hardy.formats.quantized import QuantSpec, rtn
 
     module = kernels.load()
     assert module is not None, "the kernels build on every x86-64 machine hardy runs on"

@@ -13,7 +13,7 @@ import torch
 
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
-from hardy.compress.quant import QuantSpec, rtn
+from hardy.formats.quantized import QuantSpec, rtn
 
 # int4 on both grids: asymmetric (Q4_1, with mins) and symmetric (Q4_0, the offset from the scale)
 SPECS = [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(4, 32, True), QuantSpec(4, 128, True), QuantSpec(8, 0),
@@ -112,7 +112,7 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     specs = [(4, 32, False), (4, 128, False), (4, 32, True), (8, 32, True), (8, 0, True)]
     script = (
         "import torch, json; from hardy.compress import kernels; from hardy.compress.qlinear import QuantLinear;"
-        f"from hardy.compress.quant import QuantSpec, rtn; m = kernels.load(); assert {check};"
+        f"from hardy.formats.quantized import QuantSpec, rtn; m = kernels.load(); assert {check};"
         "g = torch.Generator().manual_seed(0); x = torch.randn(2, 576, generator=g); out = {};"
         "[out.__setitem__(f'{b} {s} {y}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
         f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}]; print(json.dumps(out))")

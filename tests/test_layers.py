@@ -16,8 +16,8 @@ LEVEL = {"core": 0, "model": 1, "formats": 2, "data": 3, "ops": 3, "parallel": 4
          "train": 5, "infer": 5, "compress": 5, "loading": 5, "eval": 6, "plan": 6, "serve": 6, "cli": 7}
 # (importing package, imported package, file): issue 22 item 5 removes these
 KNOWN_UPWARD = {
-    ("formats", "compress", "formats/gguf_export.py"),  # the quantized-tensor format lives in compress
-    ("formats", "compress", "formats/gguf_quant.py"),
+    ("formats", "compress", "formats/gguf_export.py"),  # finds compress's quantized modules in a model
+    ("formats", "compress", "formats/gguf_quant.py"),  # compress's compiled converter and tiled layout
     ("parallel", "compress", "parallel/quantized_tp.py"),  # tensor-parallel slices of quantized layers
     ("parallel", "compress", "parallel/parallelize.py"),
 }

@@ -28,7 +28,7 @@ def test_slices_of_quantized_layers_sum_to_the_whole_layer():
     import torch
 
     from hardy.compress.qlinear import QuantLinear
-    from hardy.compress.quant import QuantSpec, rtn
+    from hardy.formats.quantized import QuantSpec, rtn
     from hardy.parallel.quantized_tp import slice_quantized
 
     torch.manual_seed(0)

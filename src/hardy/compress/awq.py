@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, fake_quantize_groups, grouped, rtn
+from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, fake_quantize_groups, grouped, rtn
 
 GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # 1.0 .. 0.55

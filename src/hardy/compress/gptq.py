@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor, dequantize_with, group_params, quantize_with
+from hardy.formats.quantized import QuantSpec, QuantTensor, dequantize_with, group_params, quantize_with
 
 
 def damped_inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:

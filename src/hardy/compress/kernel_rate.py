@@ -7,7 +7,7 @@ import torch
 
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
-from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.ops.kernel_probe import best_time
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from hardy.compress import awq, gptq, prune
-from hardy.compress.quant import QuantSpec, QuantTensor, fake_quantize, rtn
+from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, rtn
 from hardy.compress.store import spill
 from hardy.formats.gguf_quant import PackedQuant
 from hardy.devices import compute_device

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hardy.compress.quant import QuantTensor
+from hardy.formats.quantized import QuantTensor
 
 # At most this many rows use the fused decode kernel (batched decode, short prompts): it beats the
 # slab path up to ~64 tokens, from SmolLM2's layers to 8B ones (bench/kernel_tokens.py).

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.lazy_weights import SafetensorsFile, write_safetensors
 from hardy.formats.names import from_format, to_format

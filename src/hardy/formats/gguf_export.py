@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.names import permute_qk, to_format
 

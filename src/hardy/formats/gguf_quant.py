@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hardy.compress.quant import QuantSpec, QuantTensor, pack_int4, rtn
+from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn
 from hardy.errors import HardyError
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")

@@ -51,7 +51,7 @@ def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
     import json
     from pathlib import Path
 
-    from hardy.compress.quant import QuantSpec
+    from hardy.formats.quantized import QuantSpec
     from hardy.compress.store import MANIFEST, is_compressed_dir
     from hardy.parallel.parallelize import check_tp_degree, tp_kind
     from hardy.parallel.quantized_tp import check_split

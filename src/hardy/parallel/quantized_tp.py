@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hardy.compress.qlinear import QuantLinear
-from hardy.compress.quant import QuantSpec, QuantTensor
+from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import TPSlice
 from hardy.parallel.parallelize import tp_kind

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hardy.compress.quant import QuantSpec
+from hardy.formats.quantized import QuantSpec
 from hardy.errors import HardyError
 
 
