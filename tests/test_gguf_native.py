@@ -186,7 +186,7 @@ def test_tp_ranks_read_only_their_slices_and_they_make_the_whole(mini_ggufs, qty
     single-process model's matrices exactly (q/k rows unpermuted before slicing)."""
     from hardy.compress.qlinear import QuantLinear
     from hardy.parallel.parallelize import TP_PLAN
-    from hardy.parallel.quantized_tp import rank_slices
+    from hardy.compress.tensor_parallel import rank_slices
 
     def layers(loaded) -> dict:
         return {n: m for n, m in loaded.model.named_modules() if isinstance(m, QuantLinear) and n.startswith("layers.")}

@@ -18,8 +18,6 @@ LEVEL = {"core": 0, "model": 1, "formats": 2, "data": 3, "ops": 3, "parallel": 4
 KNOWN_UPWARD = {
     ("formats", "compress", "formats/gguf_export.py"),  # finds compress's quantized modules in a model
     ("formats", "compress", "formats/gguf_quant.py"),  # compress's compiled converter and tiled layout
-    ("parallel", "compress", "parallel/quantized_tp.py"),  # tensor-parallel slices of quantized layers
-    ("parallel", "compress", "parallel/parallelize.py"),
 }
 
 

@@ -29,7 +29,7 @@ def test_slices_of_quantized_layers_sum_to_the_whole_layer():
 
     from hardy.compress.qlinear import QuantLinear
     from hardy.formats.quantized import QuantSpec, rtn
-    from hardy.parallel.quantized_tp import slice_quantized
+    from hardy.compress.tensor_parallel import slice_quantized
 
     torch.manual_seed(0)
     w, x = torch.randn(96, 256), torch.randn(3, 256)

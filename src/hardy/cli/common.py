@@ -69,7 +69,7 @@ def load_from_args(args, need_tokenizer: bool = True):
     set_threads(getattr(args, "threads", None))
     tp_slices = None
     if getattr(args, "tp", 1) > 1 and "RANK" in os.environ:  # a --tp worker: read only this rank's slices
-        from hardy.parallel.quantized_tp import rank_slices  # start-up time: torch.distributed only for --tp
+        from hardy.compress.tensor_parallel import rank_slices  # start-up time: torch.distributed only for --tp
 
         if getattr(args, "numa", "off") == "auto":  # before the first allocation: pages go where they are touched
             from hardy.devices import bind_to_numa_node

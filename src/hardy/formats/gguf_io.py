@@ -157,7 +157,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
     Quantized matrices go into hardy's format tensor by tensor from the memory-mapped file
     (`hardy.formats.gguf_quant`); only 1-D tensors and float matrices are read as float.
     `tp_slices(hardy name) -> TPSlice | None`: a tensor-parallel rank reads only its part of those
-    matrices (hardy.parallel.quantized_tp.rank_slices).
+    matrices (hardy.compress.tensor_parallel.rank_slices).
     """
     from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf
     from hardy.formats.tokenizer import tokenizer_from_gguf_fields

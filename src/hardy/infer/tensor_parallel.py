@@ -54,7 +54,7 @@ def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
     from hardy.formats.quantized import QuantSpec
     from hardy.compress.store import MANIFEST, is_compressed_dir
     from hardy.parallel.parallelize import check_tp_degree, tp_kind
-    from hardy.parallel.quantized_tp import check_split
+    from hardy.compress.tensor_parallel import check_split
 
     check_tp_degree(cfg, tp)
     if gguf == "native":
@@ -83,6 +83,7 @@ def shard_model(model, tp: int):
     import torch
 
     from hardy.parallel.distributed import init_distributed
+    from hardy.compress.tensor_parallel import shard_quantized_linear
     from hardy.parallel.parallelize import apply_tp
 
     env = init_distributed("gloo")
@@ -91,7 +92,7 @@ def shard_model(model, tp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    apply_tp(model, mesh)
+    apply_tp(model, mesh, shard_other=shard_quantized_linear)
     # the launcher's share of --threads, at most the CPUs this process may run on (its NUMA node's)
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, min(int(os.environ.get("OMP_NUM_THREADS", "1")), allowed)))

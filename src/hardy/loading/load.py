@@ -125,7 +125,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     """`gguf="native"`: a quantized GGUF's matrices load as hardy quantized layers (the memory the
     file needs, hardy's int8/int4 kernels); "float": dequantized to `dtype` (training, compression).
     `tp_slices` (a native GGUF load only): name -> the tensor-parallel slice this process reads
-    (hardy.parallel.quantized_tp.rank_slices); other sources load whole and are sliced after."""
+    (hardy.compress.tensor_parallel.rank_slices); other sources load whole and are sliced after."""
     if gguf not in GGUF_WEIGHTS:
         raise HardyError(f"gguf weights must be one of {', '.join(GGUF_WEIGHTS)} (got {gguf!r})")
     kind, path = resolve_source(spec)

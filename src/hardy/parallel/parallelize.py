@@ -84,23 +84,22 @@ def check_tp_degree(cfg, tp: int) -> None:
             raise HardyError(f"tensor parallel degree {tp} does not divide the model's {what} = {n}")
 
 
-def apply_tp(model: nn.Module, mesh) -> None:
-    """Shard every block's attention and MLP over the mesh: float linears as DTensors, quantized
-    ones (hardy.compress, inference only) by slicing their stored codes (hardy.parallel.quantized_tp)."""
+def apply_tp(model: nn.Module, mesh, shard_other=None) -> None:
+    """Shard every block's attention and MLP over the mesh: float linears as DTensors. Layers that are
+    not plain linears (quantized ones, inference only) go to `shard_other(block, name, kind, mesh)`,
+    which returns True when it sharded one (hardy.compress.tensor_parallel slices stored codes)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from hardy.compress.qlinear import QuantLinear
-    from hardy.parallel.quantized_tp import shard_quantized_linear
 
     check_tp_degree(model.cfg, mesh.size())
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.layers:
         plan = {}
         for name, kind in TP_PLAN.items():
-            if isinstance(block.get_submodule(name), QuantLinear):
-                shard_quantized_linear(block, name, kind, mesh)
-            else:
+            if isinstance(block.get_submodule(name), nn.Linear):
                 plan[name] = styles[kind]()
+            elif shard_other is None or not shard_other(block, name, kind, mesh):
+                raise HardyError(f"tensor parallel: {name} is a {type(block.get_submodule(name)).__name__}, "
+                                 "which this sharding does not handle")
         if plan:
             parallelize_module(block, mesh, plan)
 

@@ -66,14 +66,17 @@ def rank_slices(rank: int, parts: int):
     return slice_for
 
 
-def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> None:
-    """Replace `block.<name>` (a QuantLinear) by this rank's slice of it — or, where the loader read
-    only this rank's part (`tp_slice`), wire that part up as it is."""
+def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> bool:
+    """Replace `block.<name>`, if it is a QuantLinear, by this rank's slice of it — or, where the loader
+    read only this rank's part (`tp_slice`), wire that part up as it is. False for anything else
+    (hardy.parallel.parallelize.apply_tp's `shard_other`)."""
     from hardy.compress.kernels import prepare
 
     parent_name, _, child = name.rpartition(".")
     parent = block.get_submodule(parent_name)
-    full: QuantLinear = getattr(parent, child)
+    full = getattr(parent, child)
+    if not isinstance(full, QuantLinear):
+        return False
     want = TPSlice(kind, mesh.get_local_rank(), mesh.size())
     if full.tp_slice is not None:
         if full.tp_slice != want:
@@ -85,3 +88,4 @@ def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> None
         if full.kernel is not None:
             prepare(local)  # the fused decode kernel, for the slice
     setattr(parent, child, local if kind == "colwise" else RowParallelQuantLinear(local, mesh.get_group()))
+    return True
