@@ -19,20 +19,23 @@ def newest_checkpoint(run_dir: Path) -> Path:
     return dirs[0][1]
 
 
-def load_run_model(run_dir: Path):
-    """(config, model with the newest complete checkpoint's weights, tokenizer) of a run directory."""
-    run_dir = Path(run_dir)
-    config_file = run_dir / "config.json"
+def run_config(run_dir: Path) -> tuple[ModelConfig, Path]:
+    """A run directory's model config and the dataset (whose tokenizer it trained with)."""
+    config_file = Path(run_dir) / "config.json"
     try:
         resolved = json.loads(config_file.read_text())["resolved"]
-        mcfg = ModelConfig.from_dict(resolved["model"])
-        dataset = Path(resolved["dataset"])
+        return ModelConfig.from_dict(resolved["model"]), Path(resolved["dataset"])
     except OSError as e:
         raise HardyError(f"{config_file}: cannot read it ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise HardyError(f"{config_file}: malformed JSON ({e})") from None
     except (KeyError, TypeError, ValueError) as e:
         raise HardyError(f"{config_file}: not a hardy run config ({type(e).__name__}: {e})") from None
+
+
+def load_run_model(run_dir: Path):
+    """(config, model with the newest complete checkpoint's weights, tokenizer) of a run directory."""
+    mcfg, dataset = run_config(run_dir)
     model = meta_transformer(mcfg)
     model.to_empty(device="cpu")
     model.tie_weights()

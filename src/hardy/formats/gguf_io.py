@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hardy.errors import HardyError
-from hardy.formats.names import check_layer_count, from_format, unpermute_qk
+from hardy.formats.names import check_weights, from_format, unpermute_qk
 from hardy.model.config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -102,28 +102,16 @@ def dequantize_tensor(t) -> torch.Tensor:
 
 
 def check_shapes(cfg: ModelConfig, tensors, path: Path) -> None:
-    """Every tensor the model needs is there with the shape the metadata implies, before any is
-    converted (a damaged head count or width would otherwise fail deep inside a reshape)."""
-    from hardy.model.llama import meta_transformer
-
-    check_layer_count(cfg.n_layers, [n for n in (from_format(t.name, "gguf") for t in tensors) if n], path)
-    expected = {k: tuple(v.shape) for k, v in meta_transformer(cfg).state_dict().items()
-                if not k.startswith("rope_")}
-    found = {}
+    """A GGUF's tensor infos against its metadata, before any tensor is converted."""
+    shapes = {}
     for t in tensors:
         ours = from_format(t.name, "gguf")
         if ours is None:
             continue
-        if ours in found:
+        if ours in shapes:
             raise HardyError(f"{path}: tensor {t.name} appears twice")
-        found[ours] = tuple(int(d) for d in reversed(t.shape))
-        if ours not in expected:
-            raise HardyError(f"{path}: tensor {t.name} does not belong to a {cfg.n_layers}-layer model")
-        if found[ours] != expected[ours]:
-            raise HardyError(f"{path}: tensor {t.name} has shape {found[ours]}, the metadata implies {expected[ours]}")
-    missing = sorted(set(expected) - set(found) - {"output.weight"})
-    if missing:
-        raise HardyError(f"{path}: weights missing for {missing[:3]}")
+        shapes[ours] = tuple(int(d) for d in reversed(t.shape))
+    check_weights(cfg, shapes, path, optional=("output.weight",))  # untied heads are decided by its presence
 
 
 def load_gguf(path: str | os.PathLike, name: str = "custom"):

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import re
 
+from hardy.errors import HardyError
+from hardy.model.llama import meta_transformer
+
 # Per-layer tensors: hardy suffix -> (GGUF suffix, HF suffix).
 LAYER_TENSORS = {
     "attention_norm.weight": ("attn_norm.weight", "input_layernorm.weight"),
@@ -69,8 +72,24 @@ def unpermute_qk(w, n_heads: int):
 def check_layer_count(n_layers: int, names, source) -> None:
     """The metadata's layer count against the layers whose weights are present, checked before a
     model of that depth is built (a damaged count of 4 billion would otherwise build 4 billion modules)."""
-    from hardy.errors import HardyError
-
     present = {int(m.group(1)) for m in (re.match(r"layers\.(\d+)\.", n) for n in names) if m}
     if n_layers != len(present) or (present and max(present) != n_layers - 1):
         raise HardyError(f"{source}: the metadata says {n_layers} layers, the weights hold {len(present)}")
+
+
+def check_weights(cfg, shapes: dict[str, tuple[int, ...]], source, optional: tuple[str, ...] = ()) -> None:
+    """The weights present (hardy name -> shape) against what the config implies, before they are
+    converted or loaded: a damaged head count or width fails here in one line, not inside a reshape.
+    `optional`: names that may be absent (a GGUF's LM head, absent when tied)."""
+    check_layer_count(cfg.n_layers, shapes, source)
+    expected = {k: tuple(v.shape) for k, v in meta_transformer(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("output.weight", None)
+    missing = sorted(set(expected) - set(shapes) - set(optional))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        detail = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+        raise HardyError(f"{source}: weights do not match the model config ({'; '.join(detail)})")
+    for name, shape in shapes.items():
+        if shape != expected[name]:
+            raise HardyError(f"{source}: tensor {name} has shape {shape}, the config implies {expected[name]}")

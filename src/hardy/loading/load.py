@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hardy.errors import HardyError
-from hardy.formats.names import check_layer_count
+from hardy.formats.names import check_layer_count, check_weights
 from hardy.formats.smollm2 import smollm2_gguf_path
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
@@ -83,11 +83,12 @@ def config_for(spec: str) -> ModelConfig:
         cfg = config_from_gguf(gguf_fields(reader), path, "smollm2-135m" if spec == "smollm2-135m" else path.stem)
         tied = all(t.name != "output.weight" for t in reader.tensors)
         return cfg.replace(tie_embeddings=tied)
+    if kind == "run":
+        from hardy.checkpoint.run_model import run_config
+
+        return run_config(path)[0]
     import json
 
-    if kind == "run":
-        resolved = json.loads((path / "config.json").read_text())
-        return ModelConfig.from_dict(resolved["resolved"]["model"])
     from hardy.formats.hf import config_from_hf
 
     return config_from_hf(json.loads((path / "config.json").read_text()), path)
@@ -96,24 +97,10 @@ def config_for(spec: str) -> ModelConfig:
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
     """Build on the meta device and load the weights straight into place (no random init)."""
-    check_layer_count(cfg.n_layers, state, source)
-    model = meta_transformer(cfg)
-    expected = set(model.state_dict())
     if cfg.tie_embeddings:
-        expected.discard("output.weight")
         state = {k: v for k, v in state.items() if k != "output.weight"}
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        detail = []
-        if missing:
-            detail.append(f"missing {sorted(missing)[:3]}")
-        if unexpected:
-            detail.append(f"unexpected {sorted(unexpected)[:3]}")
-        raise HardyError(f"{source}: weights do not match the model config ({'; '.join(detail)})")
-    for name, tensor in state.items():
-        want = model.get_parameter(name).shape
-        if tuple(tensor.shape) != tuple(want):
-            raise HardyError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    check_weights(cfg, {k: tuple(v.shape) for k, v in state.items()}, source)
+    model = meta_transformer(cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     model.reset_rope()

@@ -26,7 +26,7 @@ from hardy.serve.engine import Engine, EngineFailed, QueueFull, Request, Shuttin
 from hardy.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from hardy.serve.schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
                                  ErrorResponse, Health, ModelList)
-from hardy.serve.transport import BodyGuard, error_body
+from hardy.serve.transport import BodyGuard, error_payload
 
 MAX_BODY = 1 << 20
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
@@ -45,9 +45,7 @@ class ApiError(Exception):
 
 def _error_response(status: int, message: str, code: str, param: str | None = None,
                     retry_after: int | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": param, "code": code}}
-    return JSONResponse(body, status, headers={"Retry-After": str(retry_after)} if retry_after else None)
+    return JSONResponse(error_payload(status, message, code, param), status, headers={"Retry-After": str(retry_after)} if retry_after else None)
 
 
 class StopScanner:
@@ -318,7 +316,7 @@ class _Api:
                     final["usage"] = self._usage(request)
                     yield event(final)
         except ApiError as e:  # the status line has gone out: the error travels as an event
-            yield event(json.loads(error_body(e.message, e.code, e.status)))
+            yield event(error_payload(e.status, e.message, e.code, e.param))
         finally:
             self.engine.cancel(request)  # after a stop string or a lost client: free the slot
         yield event("[DONE]")

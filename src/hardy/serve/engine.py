@@ -249,16 +249,19 @@ class Engine:
         with self._admission:
             self.failed = self.failed or reason
             self.accepting = False
-        for i, s in enumerate(self.slots):
-            if s is not None:
-                s.request.events.put(("error", reason))
-                self.slots[i] = None
+        self._fail_running(reason)
         while True:
             try:
                 self.waiting.get_nowait().events.put(("error", f"the engine stopped: {reason}"))
             except queue.Empty:
                 break
         self._drained.set()
+
+    def _fail_running(self, reason: str) -> None:
+        for i, s in enumerate(self.slots):
+            if s is not None:
+                s.request.events.put(("error", reason))
+                self.slots[i] = None
 
     def _serve_loop(self) -> None:
         while not self._stop.is_set():
@@ -282,7 +285,4 @@ class Engine:
                 if self.runner.fatal:
                     self._fail_everything(reason)
                     return
-                for i, s in enumerate(self.slots):
-                    if s is not None:
-                        s.request.events.put(("error", reason))
-                        self.slots[i] = None
+                self._fail_running(reason)

@@ -84,11 +84,14 @@ class CompletionChoice(BaseModel):
     logprobs: None = None
 
 
-class Completion(BaseModel):
+class _Answer(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class Completion(_Answer):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
 
@@ -104,33 +107,10 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-class Delta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    finish_reason: FinishReason
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
 
 
 class ModelCard(BaseModel):

@@ -25,9 +25,10 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def error_body(message: str, code: str, status: int) -> bytes:
+def error_payload(status: int, message: str, code: str, param: str | None = None) -> dict:
+    """OpenAI's error body: every error hardy's server sends has this shape."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class BodyGuard:
@@ -82,7 +83,7 @@ class BodyGuard:
 
     @staticmethod
     async def _refuse(send, status: int, message: str, code: str) -> None:
-        body = error_body(message, code, status)
+        body = json.dumps(error_payload(status, message, code)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
