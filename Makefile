@@ -51,8 +51,10 @@ demo: install
 ALLOWED_SKIPS := cuda tier: no CUDA device|the build in use is the AVX2 one
 
 # pytest exits 5 when it collected no test: that must fail, never pass silently.
+# Two workers (pytest-xdist), a test file each at a time (module fixtures stay per file): much of the
+# suite waits on the subprocesses it starts, so two share the two cores (BENCHMARKS.md, suite time).
 test: install $(LLAMA_STAMP)
-	HARDY_ALLOWED_SKIPS="$(ALLOWED_SKIPS)" $(BIN)/python -m pytest -q -rs --durations=20 tests; rc=$$?; \
+	HARDY_ALLOWED_SKIPS="$(ALLOWED_SKIPS)" $(BIN)/python -m pytest -q -rs --durations=20 -n 2 --dist loadfile tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
 clean:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
 NO_GPU = "cuda tier: no CUDA device is visible here; bench/gpu_check.sh runs these on a GPU machine"
@@ -108,29 +110,48 @@ def hardy_main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["hardy", *args], code, out.getvalue(), err.getvalue())
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A directory `build(root)` fills once per test run: under pytest-xdist (`make test` runs two
+    workers) the workers share the base temp's parent and take a file lock, so a session fixture is
+    built by the first worker that needs it and read by the others. Read-only for the tests."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
+            root.mkdir(parents=True)
+            build(root)
+            done.touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def micro_dataset(tmp_path_factory) -> Path:
     """A 200 kB Shakespeare slice, cleaned and tokenized with a 512-token BPE (the micro vocabulary)."""
     from hardy.data.prepare import prepare
     from hardy.data.text import resolve_text_path
 
-    root = tmp_path_factory.mktemp("micro_data")
-    text = root / "shakespeare.txt"
-    text.write_text(resolve_text_path("tinyshakespeare").read_text()[:200_000])
-    prepare([str(text)], "bpe:512", root / "ds", seed=0)
-    return root / "ds"
+    def build(root: Path) -> None:
+        text = root / "shakespeare.txt"
+        text.write_text(resolve_text_path("tinyshakespeare").read_text()[:200_000])
+        prepare([str(text)], "bpe:512", root / "ds", seed=0)
+
+    return built_once(tmp_path_factory, "micro_data", build) / "ds"
 
 
 @pytest.fixture(scope="session")
 def probe_profile(tmp_path_factory) -> Path:
     """`hardy probe --quick` on this machine, run once per session: the path of its JSON profile
     (use it as `get_hardware("probe:" + str(path))`)."""
-    root = tmp_path_factory.mktemp("probe")
-    out = root / "hardware-profile.json"
-    proc = run_hardy("probe", "--quick", "--out", str(out), "--dir", str(root), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.is_file() and not list(root.glob(".hardy-probe-*")), "the probe must clean up its disk test file"
-    return out
+    def build(root: Path) -> None:
+        out = root / "hardware-profile.json"
+        proc = run_hardy("probe", "--quick", "--out", str(out), "--dir", str(root), timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert out.is_file() and not list(root.glob(".hardy-probe-*")), "the probe must clean up its disk test file"
+
+    return built_once(tmp_path_factory, "probe", build) / "hardware-profile.json"
 
 
 @pytest.fixture(scope="session")
@@ -143,32 +164,29 @@ def mini_run(tmp_path_factory) -> Path:
     from hardy.train.config import load_config
     from hardy.train.trainer import train
 
-    root = tmp_path_factory.mktemp("mini_run")
-    text = resolve_text_path("tinyshakespeare").read_text()
-    (root / "train.txt").write_text(text[:300_000])
-    (root / "heldout.txt").write_text(text[300_000:340_000])
-    prepare([str(root / "train.txt")], "bpe:512", root / "ds", seed=0)
-    cfg = load_config(None, ["model.preset=mini", f"data.path={root / 'ds'}", "data.seq_len=128",
-                             "train.micro_batch=16", "train.steps=300", "optim.lr=3e-3", "optim.warmup_steps=20",
-                             "log.progress=false", "checkpoint.at_end=true"])
-    train(cfg, root / "run")
-    return root
+    def build(root: Path) -> None:
+        text = resolve_text_path("tinyshakespeare").read_text()
+        (root / "train.txt").write_text(text[:300_000])
+        (root / "heldout.txt").write_text(text[300_000:340_000])
+        prepare([str(root / "train.txt")], "bpe:512", root / "ds", seed=0)
+        cfg = load_config(None, ["model.preset=mini", f"data.path={root / 'ds'}", "data.seq_len=128",
+                                 "train.micro_batch=16", "train.steps=300", "optim.lr=3e-3", "optim.warmup_steps=20",
+                                 "log.progress=false", "checkpoint.at_end=true"])
+        train(cfg, root / "run")
+
+    return built_once(tmp_path_factory, "mini_run", build)
 
 
 @pytest.fixture(scope="session")
 def mini_compressed(mini_run, tmp_path_factory):
     """`hardy compress` of the trained `mini` model with given RTN arguments, each set run once per
     session (several test files load, export or serve the same int4 g32 / int8 models). Read-only."""
-    root = tmp_path_factory.mktemp("mini_compressed")
-    made: dict[tuple[str, ...], Path] = {}
-
     def get(*args: str) -> Path:
-        if args not in made:
-            out = root / f"m{len(made)}"
-            proc = hardy_main("compress", "--model", str(mini_run / "run"), "--out", str(out), "--quant", "rtn",
-                              *args, "--no-progress")
+        def build(root: Path) -> None:
+            proc = hardy_main("compress", "--model", str(mini_run / "run"), "--out", str(root / "m"), "--quant",
+                              "rtn", *args, "--no-progress")
             assert proc.returncode == 0, proc.stderr[-2000:]
-            made[args] = out
-        return made[args]
+
+        return built_once(tmp_path_factory, "mini_compressed-" + "_".join(a.lstrip("-") for a in args), build) / "m"
 
     return get

@@ -58,9 +58,7 @@ def test_streamed_compression_equals_the_in_memory_one(mini_hf, mini_run, monkey
         seen.append((li, set(others), {p.device.type for p in block.parameters()}))
         return inner(block, li, *args, **kwargs)
 
-    from hardy.model import llama
-
-    built = llama.meta_transformer
+    built = pipeline.meta_transformer
 
     def capture(c):
         model = built(c)
@@ -69,7 +67,7 @@ def test_streamed_compression_equals_the_in_memory_one(mini_hf, mini_run, monkey
 
     model_layers: list = []
     monkeypatch.setattr(pipeline, "_compress_block", one_block_resident)
-    monkeypatch.setattr(llama, "meta_transformer", capture)
+    monkeypatch.setattr(pipeline, "meta_transformer", capture)
     streamed = compress_from_disk(mcfg, weights, cfg, calib, progress=False, spill_dir=tmp_path)
     assert [li for li, _, _ in seen] == list(range(mcfg.n_layers))
     # every block's packed results left memory for a spill file when the block was done

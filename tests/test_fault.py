@@ -5,48 +5,14 @@ import json
 import random
 
 import pytest
-import torch
 
-from trainutil import launch
+from trainutil import assert_bitwise_equal, launch
 
 LAYOUTS = {"single": (1, ()), "ddp2": (2, ()), "fsdp2": (2, ("parallel.dp_shard=2",))}
 # A start-up/step watchdog turns any stuck rendezvous after a kill into one more restart.
 COMMON = ("train.steps=12", "checkpoint.interval=4", "checkpoint.at_end=true", "checkpoint.keep=5",
           "fault.startup_timeout_s=30", "fault.hang_timeout_s=30")
 KILL_STEP = random.Random(2024).randint(5, 11)  # a seeded random step between checkpoints
-
-
-def training_state(ckpt_dir):
-    """Full (unsharded) model and optimizer tensors of a checkpoint, loaded through DCP."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from hardy.checkpoint.manager import verify_manifest
-    from hardy.model.config import ModelConfig
-    from hardy.model.llama import Transformer
-    from hardy.train.config import config_from_dict
-    from hardy.train.trainer import make_optimizer
-
-    verify_manifest(ckpt_dir)
-    trainer = json.loads((ckpt_dir / "trainer.json").read_text())
-    model = Transformer(ModelConfig.from_dict(trainer["config"]["resolved"]["model"]))
-    cfg = config_from_dict({k: v for k, v in trainer["config"].items() if k != "resolved"})
-    optimizer, _ = make_optimizer(model, cfg)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt_dir))
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    for key, per_param in state["optim"]["state"].items():
-        for name, value in per_param.items():
-            flat[f"optim.{key}.{name}"] = value
-    return flat
-
-
-def assert_bitwise_equal(a_dir, b_dir):
-    a, b = training_state(a_dir), training_state(b_dir)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
 
 
 @pytest.fixture(scope="module")

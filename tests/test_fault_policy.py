@@ -92,3 +92,36 @@ def test_goodput_with_failures_only_during_steps():
     # agrees with the first-order formula when failures are rare
     assert expected_goodput_step_failures(60, 1, 1e6, 60) == pytest.approx(expected_goodput(60, 1, 1e6, 60), abs=1e-3)
     assert expected_goodput_step_failures(10, 1, 4, 1) == 0.0
+
+
+def test_injection_acts_through_the_step_hooks_at_its_step_only_and_once(tmp_path):
+    """The trainer calls StepHooks; the injector, one of its hook objects, turns the configured step's
+    loss into NaN (and only that step's, and only the first time it is reached: a resumed run replays
+    it cleanly), and a hook object without some of the methods is simply not called there."""
+    import torch
+
+    from hardy.fault.inject import FaultInjector
+    from hardy.train.hooks import StepHooks
+
+    calls = []
+
+    class Recorder:
+        def before_step(self, step):
+            calls.append(("before", step))
+
+        def loss(self, step, loss):
+            calls.append(("loss", step))
+            return loss + 1
+
+    hooks = StepHooks([FaultInjector("nan@3,spike@4", tmp_path, rank=0), Recorder()])
+    seen = {}
+    for step in (2, 3, 4, 3):
+        hooks.before_step(step)
+        seen.setdefault(step, []).append(hooks.loss(step, torch.tensor(1.0)).item())
+        hooks.after_step(step)  # the recorder has none: skipped
+        hooks.checkpoint_written(step)
+    assert seen[2] == [2.0] and seen[4] == [21.0]  # spike: 20x, then the recorder's + 1
+    assert torch.isnan(torch.tensor(seen[3][0])) and seen[3][1] == 2.0  # the replayed step 3 is clean
+    assert calls == [("before", 2), ("loss", 2), ("before", 3), ("loss", 3), ("before", 4), ("loss", 4),
+                     ("before", 3), ("loss", 3)]
+    assert json.loads((tmp_path / "faults_fired.json").read_text()) == ["nan@3@rank0", "spike@4@rank0"]

@@ -38,7 +38,9 @@ def mini_ggufs(mini_run, tmp_path_factory):
 def test_legacy_types_load_bit_exact_without_a_float_copy(mini_ggufs, qtype):
     path = mini_ggufs[qtype]
     cfg_float, reference, _, _ = load_gguf(path)  # the gguf package's dequantizer: the reference
-    cfg, floats, quantized, _, types = load_gguf_quantized(path)
+    from hardy.compress import kernels
+
+    cfg, floats, quantized, _, types = load_gguf_quantized(path, converter=kernels.load())  # as hardy loads it
     assert cfg == cfg_float
     matrices = [t for t in open_gguf(path).tensors if len(t.shape) == 2]
     assert types == {qtype: len(matrices)} and len(quantized) == len(matrices)
@@ -237,7 +239,7 @@ def test_q6_k_in_cpp_equals_the_numpy_requantization():
         pytest.skip("could not import 'hardy kernels': the extension did not build")
     qtype = gguf.GGMLQuantizationType.Q6_K
     t = _fake_tensor(qtype, 5, _random_blocks(qtype, 5, 768, (208,), seed=3))
-    fast, slow = packed_from_gguf(t), _requantized(t)
+    fast, slow = packed_from_gguf(t, converter=kernels.load()), _requantized(t)
     assert fast.spec == slow.spec == INT8_G32 and fast.tiled and not slow.tiled
     assert torch.equal(fast.stored()["qweight"], slow.parts["qweight"])
     assert torch.equal(fast.stored()["scales"], slow.parts["scales"])
@@ -251,7 +253,7 @@ def test_q4_k_in_cpp_equals_the_numpy_conversion():
         pytest.skip("could not import 'hardy kernels': the extension did not build")
     qtype = gguf.GGMLQuantizationType.Q4_K
     t = _fake_tensor(qtype, 11, _random_blocks(qtype, 11, 512, (0, 2), seed=4))  # 11 rows: a partial tile
-    fast, slow = packed_from_gguf(t), _q4_k(t)
+    fast, slow = packed_from_gguf(t, converter=kernels.load()), _q4_k(t)
     assert fast.tiled and not slow.tiled
     for name in ("qweight", "scales", "mins"):
         assert torch.equal(fast.stored()[name], slow.parts[name]), name
@@ -269,25 +271,24 @@ def test_legacy_types_in_cpp_equal_the_numpy_conversion(type_name, half_offsets)
     qtype = gguf.GGMLQuantizationType[type_name]
     t = _fake_tensor(qtype, 13, _random_blocks(qtype, 13, 256, half_offsets, seed=5))  # 13 rows: a partial tile
     order = torch.randperm(13, generator=torch.Generator().manual_seed(0))
-    fast, slow = packed_from_gguf(t), _packed_in_file_order(t)
+    fast, slow = packed_from_gguf(t, converter=kernels.load()), _packed_in_file_order(t)
     assert fast.spec == slow.spec and set(fast.stored()) == set(slow.parts)
     assert ("mins" in slow.parts) == (type_name == "Q4_1")
     for name, tensor in slow.parts.items():
         assert torch.equal(fast.stored()[name], tensor), name
     from hardy.formats.gguf_quant import _converted_in_cpp
 
-    moved = _converted_in_cpp(t, order)
+    moved = _converted_in_cpp(t, order, converter=kernels.load())
     for name, tensor in slow.parts.items():
         assert torch.equal(moved.stored()[name], tensor[order]), name
 
 
 @pytest.mark.parametrize("type_name,half_offsets", [("Q4_0", (0,)), ("Q8_0", (0,)), ("Q4_K", (0, 2)),
                                                     ("Q6_K", (208,))])
-def test_tp_slices_are_the_same_on_both_paths(type_name, half_offsets, monkeypatch):
+def test_tp_slices_are_the_same_on_both_paths(type_name, half_offsets):
     """A rank's rows (q/k-unpermuted) or columns read by the C++ converters equal the numpy path's
     slice of the whole tensor; a split inside a K-quant super-block is a one-line error."""
     from hardy.compress import kernels
-    from hardy.formats import gguf_quant
     from hardy.formats.gguf_quant import TPSlice
 
     if kernels.load() is None:
@@ -295,16 +296,15 @@ def test_tp_slices_are_the_same_on_both_paths(type_name, half_offsets, monkeypat
     qtype = gguf.GGMLQuantizationType[type_name]
     t = _fake_tensor(qtype, 16, _random_blocks(qtype, 16, 1024, half_offsets, seed=6))
     for tp in (TPSlice("colwise", 1, 2), TPSlice("rowwise", 0, 2), TPSlice("rowwise", 1, 2)):
-        fast = packed_from_gguf(t, heads=2, tp=tp) if tp.kind == "colwise" else packed_from_gguf(t, tp=tp)
-        with monkeypatch.context() as m:
-            m.setattr(gguf_quant, "_kernels", lambda: None)
-            slow = packed_from_gguf(t, heads=2, tp=tp) if tp.kind == "colwise" else packed_from_gguf(t, tp=tp)
+        heads = 2 if tp.kind == "colwise" else None
+        fast = packed_from_gguf(t, heads, tp, converter=kernels.load())
+        slow = packed_from_gguf(t, heads, tp)  # no converter: the numpy path
         assert fast.tp_slice == slow.tp_slice == tp and fast.shape == slow.shape
         assert fast.shape == ((8, 1024) if tp.kind == "colwise" else (16, 512))
         assert torch.equal(fast.dequantize(), slow.dequantize()), tp
     if type_name in ("Q4_K", "Q6_K"):
         with pytest.raises(HardyError, match="whole blocks"):
-            packed_from_gguf(t, tp=TPSlice("rowwise", 0, 8))  # 128 columns: half a super-block
+            packed_from_gguf(t, tp=TPSlice("rowwise", 0, 8), converter=kernels.load())  # 128 columns: half a super-block
 
 
 @pytest.mark.parametrize("qtype", LEGACY)

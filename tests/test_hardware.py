@@ -10,7 +10,7 @@ import pytest
 from conftest import run_hardy
 from hardy.errors import HardyError
 from hardy.plan.hardware import CATALOGUE, describe_hardware, get_hardware, load_catalogue
-from hardy.plan.probe_profile import hardware_from_profile, hardware_from_profile_file
+from hardy.plan.hardware import hardware_from_profile, hardware_from_profile_file
 
 EXPECTED = {"a100-80g", "h100-sxm", "h200", "b200", "mi300x", "l40s",
             "xeon-spr", "xeon-emr", "xeon-gnr", "epyc-genoa", "epyc-turin", "graviton4"}

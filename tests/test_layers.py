@@ -3,22 +3,21 @@ dependencies flow one way, cli → eval/plan/serve → train/infer/compress/load
 fault → data/ops → formats → model → core, with no cycle between packages. `loading` (everything
 `--model` accepts) sits beside compress because it swaps in compress's quantized modules.
 
-The imports that still go the wrong way are listed below, each by file, as known debt: the test fails
-on any new one, and on a listed one that has gone (so the list only shrinks)."""
+An import inside a function is there for start-up time or an optional dependency, never to dodge a
+cycle: outside `cli` each one says why in a comment (on its line, or on the line above its group);
+the command line imports each command's machinery in its handler, and a test checks that those
+modules really are left out of start-up."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "hardy"
 LEVEL = {"core": 0, "model": 1, "formats": 2, "data": 3, "ops": 3, "parallel": 4, "checkpoint": 4, "fault": 4,
          "train": 5, "infer": 5, "compress": 5, "loading": 5, "eval": 6, "plan": 6, "serve": 6, "cli": 7}
-# (importing package, imported package, file): issue 22 item 5 removes these
-KNOWN_UPWARD = {
-    ("formats", "compress", "formats/gguf_export.py"),  # finds compress's quantized modules in a model
-    ("formats", "compress", "formats/gguf_quant.py"),  # compress's compiled converter and tiled layout
-}
 
 
 def package_of(module: str) -> str | None:
@@ -56,24 +55,57 @@ def test_every_package_has_a_level():
     assert packages <= set(LEVEL), sorted(packages - set(LEVEL))
 
 
-def test_imports_flow_one_way_except_the_listed_debt():
-    upward = {(a, b, f) for a, b, f in imports() if LEVEL[b] > LEVEL[a]}
-    assert upward - KNOWN_UPWARD == set(), f"new imports against the layering: {sorted(upward - KNOWN_UPWARD)}"
-    assert KNOWN_UPWARD - upward == set(), f"fixed, so take them off KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}"
+def test_imports_flow_one_way():
+    upward = sorted({(a, b, f) for a, b, f in imports() if LEVEL[b] > LEVEL[a]})
+    assert not upward, f"imports against the layering (importer, imported, file): {upward}"
 
 
-def test_no_import_cycle_between_packages_apart_from_the_debt():
+def test_no_import_cycle_between_packages():
     graph = defaultdict(set)
-    debt = {(a, b) for a, b, _ in KNOWN_UPWARD}
     for a, b, _ in imports():
-        if (a, b) not in debt:
-            graph[a].add(b)
+        graph[a].add(b)
 
     def reaches(start: str, goal: str, seen: set) -> bool:
         return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
 
     cycles = sorted((a, b) for a in list(graph) for b in graph[a] if reaches(b, a, set()))
     assert not cycles, f"packages that import each other (directly or around a loop): {cycles}"
+
+
+def function_level_imports(root: Path = SRC) -> list[tuple[str, int, bool]]:
+    """(file, line, has a reason) for every import inside a function body."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        nested = sorted({(node.lineno, node.end_lineno) for fn in ast.walk(ast.parse(source, str(path)))
+                         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in ast.walk(fn)
+                         if isinstance(node, (ast.Import, ast.ImportFrom))})
+        reasoned_ends = set()
+        for first, last in nested:
+            comment = "#" in lines[first - 1] and not lines[first - 1].split("#", 1)[1].strip().startswith("noqa")
+            above = lines[first - 2].strip()
+            if comment or above.startswith("#") or (first - 1) in reasoned_ends:
+                reasoned_ends.add(last)
+            found.append((str(path.relative_to(root)), first, last in reasoned_ends))
+    return found
+
+
+def test_every_function_level_import_outside_the_command_line_says_why():
+    bare = [f"{f}:{line}" for f, line, reasoned in function_level_imports() if not reasoned and not f.startswith("cli/")]
+    assert not bare, f"imports inside functions without a reason (start-up time, optional dependency): {bare}"
+
+
+def test_the_command_lines_lazy_imports_keep_start_up_light():
+    """What `hardy --help` loads: the parser of every command, none of their engines (which is why
+    cli handlers import inside the function)."""
+    code = ("import sys; from hardy.cli.main import build_parser; build_parser(); "
+            "print(' '.join(sorted(sys.modules)))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                timeout=120).stdout.split())
+    heavy = {"hardy.train.trainer", "hardy.serve.api", "hardy.compress.pipeline", "hardy.eval.perplexity",
+             "hardy.infer.generate", "fastapi", "uvicorn", "matplotlib"}
+    assert "hardy.cli.serve" in loaded and heavy & loaded == set(), sorted(heavy & loaded)
 
 
 def test_the_checker_sees_function_level_imports(tmp_path, monkeypatch):
@@ -85,3 +117,10 @@ def test_the_checker_sees_function_level_imports(tmp_path, monkeypatch):
     (fake / "model" / "llama.py").write_text("def f():\n    from hardy.cli.main import main\n")
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     assert ("model", "cli", "model/llama.py") in imports()
+
+
+def test_the_reason_checker_tells_a_bare_import_from_an_explained_one(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    import json\n\n\ndef g():\n    # start-up: heavy\n"
+                                   "    import json\n    import csv\n\n\ndef h():\n    import csv  # optional\n")
+    assert function_level_imports(tmp_path) == [("m.py", 2, False), ("m.py", 7, True), ("m.py", 8, True),
+                                                ("m.py", 12, True)]

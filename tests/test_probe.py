@@ -24,7 +24,9 @@ def test_schema_and_description(profile):
     assert created.tzinfo is not None and abs(created - datetime.datetime.now(datetime.timezone.utc)).days < 1
     assert profile["torch"] == torch.__version__ and profile["python"] and profile["hostname"]
     assert profile["threads"] == torch.get_num_threads() >= 1
-    assert 0 < profile["duration_s"] < 60
+    # --quick is about 30 s on an idle 2-core machine; make test runs two workers, so the other one's
+    # tests share the cores while it runs
+    assert 0 < profile["duration_s"] < 150
     cpu = profile["cpu"]
     assert cpu["model"] and cpu["physical_cores"] >= 1 and cpu["logical_cpus"] >= cpu["physical_cores"]
     assert {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"} <= set(cpu["flags"])

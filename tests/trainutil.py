@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from conftest import REPO
 
 BASE = ["model.preset=micro", "data.seq_len=64", "train.micro_batch=4", "train.steps=10", "optim.warmup_steps=2",
@@ -57,3 +59,36 @@ def in_process(run_dir: Path, dataset: Path, *sets: str):
 
 def rel_close(a: list[float], b: list[float], rtol: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b))
+
+
+def training_state(ckpt_dir):
+    """Full (unsharded) model and optimizer tensors of a checkpoint, loaded through DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hardy.checkpoint.manager import verify_manifest
+    from hardy.model.config import ModelConfig
+    from hardy.model.llama import Transformer
+    from hardy.train.config import config_from_dict
+    from hardy.train.setup import make_optimizer
+
+    verify_manifest(ckpt_dir)
+    trainer = json.loads((ckpt_dir / "trainer.json").read_text())
+    model = Transformer(ModelConfig.from_dict(trainer["config"]["resolved"]["model"]))
+    cfg = config_from_dict({k: v for k, v in trainer["config"].items() if k != "resolved"})
+    optimizer, _ = make_optimizer(model, cfg)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for key, per_param in state["optim"]["state"].items():
+        for name, value in per_param.items():
+            flat[f"optim.{key}.{name}"] = value
+    return flat
+
+
+def assert_bitwise_equal(a_dir, b_dir):
+    a, b = training_state(a_dir), training_state(b_dir)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key

@@ -23,11 +23,16 @@ import os
 import re
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hardy.checkpoint.safe_metadata import SafeFileSystemReader, check_dcp_metadata
 from hardy.errors import HardyError
 from hardy.fsio import fsync_path, write_json_atomic
 from hardy.parallel.distributed import barrier
@@ -162,9 +167,6 @@ class CheckpointManager:
         it in a background thread, and become COMPLETE in `poll()`/`wait()` once every rank's
         write has finished; one save is in flight at a time.
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         self.wait()
         final = self.root / f"step_{step:08d}"
         partial = self.root / f".step_{step:08d}.partial"
@@ -208,8 +210,6 @@ class CheckpointManager:
     def _background(self):
         """One worker thread for checkpoint housekeeping: checksums of asynchronous saves, deletions."""
         if getattr(self, "_pool", None) is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hardy-ckpt")
         return self._pool
 
@@ -220,8 +220,6 @@ class CheckpointManager:
         modifies the parameters or optimizer state (the optimizer step, a rollback).
         """
         if getattr(self, "_stager_obj", None) is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             cuda = torch.cuda.is_available()
             self._stager_obj = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                             use_async_staging=True, use_non_blocking_copy=cuda))
@@ -308,11 +306,6 @@ class CheckpointManager:
 
     def load(self, directory: Path, model, optimizer) -> tuple[dict, dict]:
         """Restore model + optimizer in place; returns (trainer_state, this rank's state)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from hardy.checkpoint.safe_metadata import SafeFileSystemReader, check_dcp_metadata  # imports DCP
-
         # checked here as well as by the reader: DCP would wrap the reader's one-line error in its own
         check_dcp_metadata(directory)
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -329,10 +322,6 @@ class CheckpointManager:
 
 def load_model_weights(directory: Path, model) -> dict:
     """Load only the model weights of a verified checkpoint into a plain (unsharded) model."""
-    import torch.distributed.checkpoint as dcp
-
-    from hardy.checkpoint.safe_metadata import SafeFileSystemReader, check_dcp_metadata  # imports DCP
-
     try:
         verify_manifest(directory)
     except CheckpointCorrupt as e:

@@ -7,8 +7,10 @@ import sys
 
 import torch
 
-from hardy.devices import DTYPES
+from hardy.compress.qlinear import set_prefill_dtype
+from hardy.devices import DTYPES, bind_to_numa_node, compute_device, resolve_device
 from hardy.errors import HardyError
+from hardy.loading.load import is_quantized_source, load_model, set_threads
 
 EXIT_USAGE = 2
 
@@ -46,9 +48,6 @@ def add_device_arg(p) -> None:
 
 def requested_device(args) -> torch.device:
     """The device `--device` names for `--model` (auto: see add_device_arg)."""
-    from hardy.devices import resolve_device
-    from hardy.loading.load import is_quantized_source
-
     spec = getattr(args, "device", "auto")
     gguf = getattr(args, "gguf_weights", "float")
     return resolve_device(spec, quantized=spec in ("auto", None) and is_quantized_source(args.model, gguf))
@@ -64,15 +63,12 @@ def add_tp_args(p) -> None:
 
 
 def load_from_args(args, need_tokenizer: bool = True):
-    from hardy.loading.load import load_model, set_threads
-
     set_threads(getattr(args, "threads", None))
     tp_slices = None
     if getattr(args, "tp", 1) > 1 and "RANK" in os.environ:  # a --tp worker: read only this rank's slices
         from hardy.compress.tensor_parallel import rank_slices  # start-up time: torch.distributed only for --tp
 
         if getattr(args, "numa", "off") == "auto":  # before the first allocation: pages go where they are touched
-            from hardy.devices import bind_to_numa_node
 
             bound = bind_to_numa_node(int(os.environ.get("LOCAL_RANK", 0)),
                                       int(os.environ.get("LOCAL_WORLD_SIZE", args.tp)))
@@ -91,8 +87,6 @@ def load_from_args(args, need_tokenizer: bool = True):
 def use_fast_prefill(loaded) -> None:
     """Inference (generate, serve): quantized layers run many-token products in bf16 where the CPU has
     native bf16 dot products (~3.7x fp32's GEMM rate here, BENCHMARKS.md); evaluation keeps fp32."""
-    from hardy.compress.qlinear import set_prefill_dtype
-    from hardy.devices import compute_device
     from hardy.ops.matmul_probe import has_fast_bf16
 
     device = compute_device(loaded.model)

@@ -8,7 +8,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from hardy.cli.common import add_model_args
+import torch
+
+from hardy.cli.common import add_model_args, load_from_args, requested_device
+from hardy.compress.qlinear import quantized_modules
+from hardy.compress.store import is_compressed_dir, save_compressed
+from hardy.errors import HardyError
+from hardy.formats.hf import open_hf_dir
+from hardy.fsio import check_new_output
+from hardy.loading.load import resolve_source, set_threads
 
 
 def register(sub) -> None:
@@ -44,18 +52,12 @@ def register(sub) -> None:
 
 def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
     """`samples` windows of `seq` tokens at seeded random offsets of the tokenized text."""
-    import torch
-
     return calibration_windows(torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long),
                                samples, seq, seed)
 
 
 def calibration_windows(ids, samples: int, seq: int, seed: int):
     """`samples` windows of `seq` tokens at seeded random offsets of a 1-D token tensor."""
-    import torch
-
-    from hardy.errors import HardyError
-
     if ids.numel() < seq + 1:
         raise HardyError(f"calibration text has {ids.numel()} tokens; need more than --calib-seq {seq}")
     gen = torch.Generator().manual_seed(seed)
@@ -64,10 +66,8 @@ def calibration_windows(ids, samples: int, seq: int, seed: int):
 
 
 def run(args) -> int:
-    from hardy.cli.common import load_from_args
     from hardy.compress.pipeline import CompressConfig, compress_from_disk, compress_model, parse_prune_layers
     from hardy.data.text import read_text
-    from hardy.errors import HardyError
 
     group = args.group_size if args.group_size is not None else (0 if args.bits == 8 else 128)
     cfg = CompressConfig(quant=args.quant, bits=args.bits, group_size=group, symmetric=args.symmetric,
@@ -81,22 +81,17 @@ def run(args) -> int:
                          f"{cfg.quant if cfg.quant in ('gptq', 'awq') else cfg.prune} needs --calib-data")
     if args.dtype != "fp32":
         raise HardyError("hardy compress works on fp32 weights (--dtype fp32)")
-    from hardy.fsio import check_new_output
 
     check_new_output(args.out)  # before the compression, which can take an hour
-    from hardy.cli.common import requested_device
 
     # a Hugging Face directory compressed on the CPU: blocks streamed from disk, one at a time (on a
     # GPU the model is loaded whole onto it, as before)
     weights = _weights_on_disk(args.model) if requested_device(args).type == "cpu" else None
     if weights is not None:
-        from hardy.loading.load import set_threads
-
         set_threads(getattr(args, "threads", None))
         mcfg, weights, tokenizer = weights
     else:
         loaded = load_from_args(args)
-        from hardy.compress.qlinear import quantized_modules
 
         if quantized_modules(loaded.model):
             raise HardyError(f"{args.model} is already quantized; compress its float original")
@@ -128,8 +123,6 @@ def run(args) -> int:
 def _save(args, mcfg, tokenizer, cfg, calib, result, seconds: float, group: int) -> None:
     """The report, the output directory (its quantized tensors read back from the spill files, if any)
     and the summary lines."""
-    from hardy.compress.store import save_compressed
-
     errors = [r.output_error for r in result.reports]
     rtn_errors = [r.rtn_output_error for r in result.reports if r.rtn_output_error is not None]
     report = {"layers": len(result.reports), "mean_output_error": statistics.fmean(errors),
@@ -153,16 +146,11 @@ def _save(args, mcfg, tokenizer, cfg, calib, result, seconds: float, group: int)
 def _weights_on_disk(spec: str):
     """(config, LazyWeights, tokenizer) for a Hugging Face directory of float weights, else None (a
     GGUF file, a run directory or a preset load whole; a `hardy compress` directory is refused)."""
-    from hardy.compress.store import is_compressed_dir
-    from hardy.errors import HardyError
-    from hardy.loading.load import resolve_source
-
     kind, path = resolve_source(spec)
     if kind != "hf":
         return None
     if is_compressed_dir(path):
         raise HardyError(f"{spec} is already quantized; compress its float original")
-    from hardy.formats.hf import open_hf_dir
 
     return open_hf_dir(path)
 

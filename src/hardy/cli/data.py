@@ -1,10 +1,10 @@
 """hardy data prepare: clean, de-duplicate, tokenize and shard a corpus."""
 from __future__ import annotations
 
+from hardy.cli.common import Parser
+
 
 def register(sub) -> None:
-    from hardy.cli.common import Parser
-
     p = sub.add_parser("data", help="data preparation")
     tasks = p.add_subparsers(dest="task", required=True, parser_class=Parser)
     pp = tasks.add_parser("prepare", help="clean, de-duplicate, split, tokenize and write token shards")

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from hardy.cli.common import Parser, add_device_arg, add_gguf_arg, add_model_args, load_from_args
+from hardy.devices import resolve_device
+from hardy.errors import HardyError
+from hardy.loading.load import is_quantized_source, load_model, set_threads
 
 
 def register(sub) -> None:
@@ -25,7 +29,6 @@ def register(sub) -> None:
 
 def run_perplexity(args) -> int:
     from hardy.data.text import read_text
-    from hardy.errors import HardyError
     from hardy.eval.perplexity import perplexity
 
     text = read_text(args.data)  # read before loading the model: bad input fails fast
@@ -67,14 +70,8 @@ def register_compare(tasks) -> None:
 
 
 def run_compare(args) -> int:
-    from pathlib import Path
-
     from hardy.data.text import read_text
-    from hardy.errors import HardyError
-    from hardy.eval.compare import (CompareRow, format_table, measure_speed, plot, quality, rows_to_json,
-                                    size_on_disk)
-    from hardy.devices import resolve_device
-    from hardy.loading.load import is_quantized_source, load_model, set_threads
+    from hardy.eval.compare import CompareRow, format_table, measure_speed, plot, quality, rows_to_json, size_on_disk
 
     if len(args.model) < 2:
         raise HardyError("give at least two --model (the first is the reference)")

@@ -1,7 +1,11 @@
 """hardy export: write a model in another format."""
 from __future__ import annotations
 
+from hardy.compress.qlinear import quantized_modules
 from hardy.devices import DTYPES
+from hardy.errors import HardyError
+from hardy.formats.hf import save_hf_dir
+from hardy.loading.load import load_model
 
 
 def register(sub) -> None:
@@ -16,9 +20,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from hardy.formats.hf import save_hf_dir
-    from hardy.loading.load import load_model
-
     loaded = load_model(args.model)
     if args.format == "gguf":
         from hardy.formats.gguf_export import export_gguf
@@ -27,11 +28,8 @@ def run(args) -> int:
         print(f"wrote {args.out} ({args.type}: {counts['repacked']} tensors repacked from hardy's quantized "
               f"weights, {counts['requantized']} quantized, {counts['float']} float)")
         return 0
-    from hardy.compress.qlinear import quantized_modules
 
     if quantized_modules(loaded.model):
-        from hardy.errors import HardyError
-
         raise HardyError(f"{args.model} is quantized: export it as GGUF, or compress its float original")
     out = save_hf_dir(loaded.config, loaded.model.state_dict(), loaded.tokenizer, args.out, dtype=DTYPES[args.dtype])
     print(f"wrote {out} (model.safetensors, config.json, tokenizer files)")

@@ -1,9 +1,13 @@
 """hardy generate: stream a completion from a prompt."""
 from __future__ import annotations
 
+import os
 import sys
 
 from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
+from hardy.errors import HardyError
+from hardy.loading.load import config_for
+from hardy.parallel.distributed import leave_together
 
 
 def register(sub) -> None:
@@ -26,9 +30,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import os
-
-    from hardy.errors import HardyError
     from hardy.infer.generate import SamplingConfig, generate
 
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -42,7 +43,6 @@ def run(args) -> int:
 
         cpu_only(args)
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
-        from hardy.loading.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
 
         check_tp(args.model, config_for(args.model), args.tp, getattr(args, "gguf_weights", "float"))  # bad input fails here, before any process starts
@@ -91,7 +91,5 @@ def run(args) -> int:
               f"decode: {s.new_tokens} tokens in {s.decode_s:.3f} s ({s.decode_tps:.1f} tokens/s)"
               + (f"; compile: {s.compile_s:.1f} s" if s.compile_s else ""), file=sys.stderr)
     if args.tp > 1:
-        from hardy.parallel.distributed import leave_together
-
         leave_together()
     return 0

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 
+from hardy.loading.load import config_for
+from hardy.model.config import count_parameters
+
 
 def register(sub) -> None:
     p = sub.add_parser("info", help="show a model's config and parameter count (presets need no weights)")
@@ -13,9 +16,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from hardy.loading.load import config_for
-    from hardy.model.config import count_parameters
-
     cfg = config_for(args.model)
     counts = count_parameters(cfg)
     if args.json:

@@ -6,20 +6,18 @@ import logging
 import sys
 
 from hardy import __version__
+from hardy.cli import compress, data, doctor, export, generate, info, plan, probe, serve, train
+from hardy.cli import eval as eval_cmd
 from hardy.cli.common import EXIT_USAGE, Parser
 from hardy.errors import HardyError
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    from hardy.cli import eval as eval_cmd
-    from hardy.cli import compress, data, export, generate, info, plan, probe, serve, train
-
     parser = Parser(prog="hardy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hardy {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (info, generate, eval_cmd, compress, export, serve, data, train, plan, probe):
+    for module in (info, generate, eval_cmd, compress, export, serve, data, train, plan, probe, doctor):
         module.register(sub)
     return parser
 

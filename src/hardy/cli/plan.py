@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 
+from hardy.cli import plan_train
 from hardy.cli.common import Parser
+from hardy.errors import HardyError
+from hardy.loading.load import config_for, is_quantized_source, resolve_source
+from hardy.plan.hardware import get_hardware
+from hardy.plan.serve import FILE, KV_DTYPES, QUANTS, plan_serve
+from hardy.plan.weights import layout_from_gguf
 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan memory, speed and cost on a hardware catalogue entry or probe profile")
     group = p.add_subparsers(dest="plan_command", required=True, parser_class=Parser)
     register_serve(group)
-    from hardy.cli import plan_train
 
     plan_train.register(group)
 
@@ -29,8 +34,6 @@ def _add_hardware_args(p) -> None:
 
 
 def register_serve(group) -> None:
-    from hardy.plan.serve import FILE, KV_DTYPES, QUANTS
-
     p = group.add_parser("serve", help="serving: memory per device, largest batch, latency, tokens/s, cost")
     _add_hardware_args(p)
     p.add_argument("--quant", default=None, choices=(*QUANTS, FILE),
@@ -48,18 +51,11 @@ def register_serve(group) -> None:
 
 
 def run_serve(args) -> int:
-    from hardy.loading.load import config_for, is_quantized_source, resolve_source
-    from hardy.plan.hardware import get_hardware
-    from hardy.plan.serve import FILE, plan_serve
-
     hw = get_hardware(args.hardware, args.catalogue)
     quant, layout = args.quant, None
     if quant is None:
         quant = FILE if is_quantized_source(args.model, gguf="native") else "fp16"
     if quant == FILE:
-        from hardy.errors import HardyError
-        from hardy.plan.weights import layout_from_gguf
-
         try:
             kind, path = resolve_source(args.model)
         except HardyError:  # a preset: a config without a file

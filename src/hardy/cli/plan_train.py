@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.plan.arch import load_arch
+from hardy.plan.hardware import describe_hardware, get_hardware, load_catalogue
 
 
 def register(group) -> None:
@@ -70,10 +72,16 @@ def _job(args, hw, arch):
 
 
 def run_train(args) -> int:
-    from hardy.plan.arch import load_arch
-    from hardy.plan.hardware import get_hardware
-    from hardy.plan.report import (fmt_bytes, fmt_time, memory_figure, pareto_figure, print_rows, table,
-                                   train_plan_rows, write_report)
+    from hardy.plan.report import (
+        fmt_bytes,
+        fmt_time,
+        memory_figure,
+        pareto_figure,
+        print_rows,
+        table,
+        train_plan_rows,
+        write_report,
+    )
     from hardy.plan.train import fit_advice, plan_train, search
 
     hw, arch = get_hardware(args.hardware, args.catalogue), load_arch(args.model)
@@ -145,8 +153,7 @@ def register_compare(group) -> None:
 
 
 def run_compare(args) -> int:
-    from hardy.plan.compare import compare_serve, compare_train, compare_figure
-    from hardy.plan.hardware import get_hardware, load_catalogue
+    from hardy.plan.compare import compare_figure, compare_serve, compare_train
     from hardy.plan.report import table, write_report
 
     names = args.hardware_list.split(",") if args.hardware_list else list(load_catalogue(args.catalogue))
@@ -154,8 +161,6 @@ def run_compare(args) -> int:
         names = [args.hardware] + [n for n in names if n != args.hardware]
     hws = [get_hardware(n.strip(), args.catalogue) for n in names if n.strip()]
     if args.workload == "train":
-        from hardy.plan.arch import load_arch
-
         headers, rows, records = compare_train(_job(args, hws[0], load_arch(args.model)), hws)
     else:
         headers, rows, records = compare_serve(args, hws)
@@ -180,7 +185,6 @@ def register_check(group) -> None:
 
 def run_check(args) -> int:
     from hardy.plan.check import check_run, probe_threads
-    from hardy.plan.hardware import get_hardware
     from hardy.plan.report import table
 
     hw = get_hardware(args.hardware, args.catalogue)
@@ -235,7 +239,6 @@ def register_hardware(group) -> None:
 
 
 def run_hardware(args) -> int:
-    from hardy.plan.hardware import describe_hardware, get_hardware, load_catalogue
     from hardy.plan.report import print_rows, table
 
     if args.name:

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.fsio import write_json_atomic
 
 
 def register(sub) -> None:
@@ -86,7 +87,6 @@ def table(profile: dict) -> list[tuple[str, str]]:
 
 
 def run(args) -> int:
-    from hardy.fsio import write_json_atomic
     from hardy.ops.probe import run_probe
 
     out = Path(args.out)

@@ -1,10 +1,14 @@
 """hardy serve: an OpenAI-compatible HTTP API with continuous batching (docs/serving.md)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
-from hardy.cli.common import add_model_args, add_tp_args
+from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
+from hardy.errors import HardyError
+from hardy.loading.load import config_for
+from hardy.parallel.distributed import leave_together
 
 
 def register(sub) -> None:
@@ -34,11 +38,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import os
-
-    from hardy.cli.common import load_from_args, use_fast_prefill
-    from hardy.errors import HardyError
-    from hardy.parallel.distributed import leave_together
     from hardy.serve.engine import Engine, ModelRunner, context_length
 
     for key in ("max_batch", "max_queue", "max_tokens", "tp", "max_connections"):
@@ -57,7 +56,6 @@ def run(args) -> int:
 
         cpu_only(args)
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:  # the launcher: start the workers, they do the rest
-        from hardy.loading.load import config_for
         from hardy.infer.tensor_parallel import check_tp, relaunch_under_torchrun
 
         check_tp(args.model, config_for(args.model), args.tp, getattr(args, "gguf_weights", "float"))  # bad input fails here, before any process starts
@@ -101,8 +99,6 @@ def read_chat_template(path: str) -> str:
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from hardy.errors import HardyError
-
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -120,7 +116,6 @@ def read_chat_template(path: str) -> str:
 def serve_http(args, engine, tokenizer) -> str | None:
     """Serve until SIGTERM/SIGINT (after draining) or until the engine fails; close the engine. Returns
     why the engine failed, or None."""
-    from hardy.errors import HardyError
     from hardy.serve.api import create_app
     from hardy.serve.transport import HttpServer, listen, server_config
 

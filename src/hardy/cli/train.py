@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+
+import torch
+
+from hardy.errors import HardyError
+from hardy.fsio import write_bytes_atomic
+from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob
 
 
 def register(sub) -> None:
@@ -15,12 +22,31 @@ def register(sub) -> None:
                                                   "checkpoint directory; same as --set checkpoint.resume=...")
     p.set_defaults(func=run_train)
 
-    lp = sub.add_parser("launch", help="run `hardy train` on N local processes with torchrun's elastic agent")
+    lp = sub.add_parser("launch", help="run `hardy train` on N processes per node with torchrun's elastic agent "
+                                       "(one node, several nodes, or a Slurm script)")
     lp.add_argument("config")
-    lp.add_argument("--nproc", type=int, required=True, help="processes on this node")
+    lp.add_argument("--nproc", type=int, default=None, help="processes on this node (default: --gpus-per-node with "
+                                                            "--slurm; required otherwise)")
     lp.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure")
     lp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     lp.add_argument("--run-dir", default=None)
+    nodes = lp.add_argument_group("several nodes (torchrun's c10d rendezvous; run the same command on every node)")
+    nodes.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                       help="nodes in the job; MIN:MAX lets it continue with fewer after a node is lost")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="the rendezvous: the first node's address (the same on every node)")
+    nodes.add_argument("--rdzv-id", default=None, help="job id shared by every node (default: the run dir's name)")
+    nodes.add_argument("--node-rank", type=int, default=None,
+                       help="0 on the node that hosts the rendezvous store (default: the node whose address is the "
+                            "endpoint's)")
+    slurm = lp.add_argument_group("Slurm (writes an sbatch script: srun starts one launcher per node)")
+    slurm.add_argument("--slurm", action="store_true", help="write the sbatch script instead of running the job")
+    slurm.add_argument("--nodes", type=int, default=None, help="Slurm nodes")
+    slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: a CPU job on gloo)")
+    slurm.add_argument("--print", action="store_true", help="print the script (else: RUN_DIR/sbatch.sh)")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--time", default=None, help="Slurm time limit, e.g. 24:00:00")
+    slurm.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port on the first node")
     lp.set_defaults(func=run_launch)
 
 
@@ -39,33 +65,66 @@ def run_train(args) -> int:
 
 
 def run_launch(args) -> int:
-    import torch
     from torch.distributed.run import get_args_parser, run
 
-    from hardy.errors import HardyError
     from hardy.parallel.dims import ParallelDims
     from hardy.parallel.parallelize import wrapping
     from hardy.train.config import load_config
 
-    if args.nproc < 1:
-        raise HardyError(f"--nproc must be >= 1 (got {args.nproc})")
+    if args.slurm:
+        return write_slurm_script(args)
+    if args.nproc is None:
+        raise HardyError("--nproc is required (processes on this node)")
     cfg = load_config(args.config, args.set)  # validate before starting any process
-    dims = ParallelDims.build(args.nproc, cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
-    wrapping(dims, cfg.parallel.wrap)
-    if torch.cuda.is_available() and cfg.parallel.backend != "gloo" and args.nproc > torch.cuda.device_count():
-        raise HardyError(f"--nproc {args.nproc} on a machine with {torch.cuda.device_count()} visible GPU(s): "
-                         "start one process per GPU (or set parallel.backend = gloo to train on the CPU)")
     run_dir = args.run_dir or str(default_run_dir(args.config))
+    launch = Launch(args.nproc, args.max_restarts, args.nnodes, args.rdzv_endpoint,
+                    args.rdzv_id or Path(run_dir).name, args.node_rank)
     train_args = ["train", args.config, "--run-dir", run_dir]
     for item in args.set:
         train_args += ["--set", item]
-    torchrun_args = get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", str(args.max_restarts),
-         "--module", "hardy", *train_args])
+    torchrun_args = get_args_parser().parse_args(launch.torchrun_args(train_args))
+    for nodes in sorted(set(launch.node_counts())):  # an elastic job must be valid at either end
+        dims = ParallelDims.build(args.nproc * nodes, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
+                                  cfg.parallel.tp)
+        wrapping(dims, cfg.parallel.wrap)
+    if torch.cuda.is_available() and cfg.parallel.backend != "gloo" and args.nproc > torch.cuda.device_count():
+        raise HardyError(f"--nproc {args.nproc} on a machine with {torch.cuda.device_count()} visible GPU(s): "
+                         "start one process per GPU (or set parallel.backend = gloo to train on the CPU)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.nnodes:
+        # A fresh store for every rendezvous round, hosted by that round's rank 0: with the store shared
+        # across rounds (torch's default), survivors of a lost node keep dialling the store it hosted.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(torchrun_args)
     except Exception as e:  # torchrun's ChildFailedError: the workers already printed their errors
         print(f"hardy: error: training failed after {args.max_restarts} restart(s): {type(e).__name__}")
         return 1
+    return 0
+
+
+def write_slurm_script(args) -> int:
+    from hardy.train.config import load_config
+
+    if not args.nodes:
+        raise HardyError("--slurm needs --nodes N")
+    if args.nnodes or args.rdzv_endpoint or args.node_rank is not None:
+        raise HardyError("--slurm finds its nodes and rendezvous itself: leave out --nnodes, --rdzv-endpoint and "
+                         "--node-rank")
+    load_config(args.config, args.set)  # a bad config is found now, not on the cluster
+    run_dir = str(Path(args.run_dir or default_run_dir(args.config)).resolve())
+    train_args = [str(Path(args.config).resolve()), "--run-dir", run_dir]
+    for item in args.set:
+        train_args += ["--set", item]
+    job = SlurmJob(args.nodes, args.gpus_per_node, args.nproc or args.gpus_per_node or 1, train_args, run_dir,
+                   job_name=f"hardy-{Path(run_dir).name}", max_restarts=args.max_restarts, port=args.port,
+                   partition=args.partition, time_limit=args.time, python=sys.executable)
+    script = job.script()
+    if args.print:
+        print(script, end="")
+        return 0
+    out = Path(run_dir) / "sbatch.sh"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, script.encode())
+    print(f"wrote {out}: submit it with `sbatch {out}`")
     return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from hardy.compress.qlinear import QuantLinear
 from hardy.devices import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def load(verbose: bool = False):
     _tried = True
     if os.environ.get("HARDY_NO_KERNELS"):
         return None
+    # start-up: cpp_extension pulls in setuptools; only a first use of the kernels needs it
     from torch.utils.cpp_extension import load as load_extension
 
     tag, flags = _isa()
@@ -92,50 +94,6 @@ def supports(layer) -> bool:
     return spec.bits == 4 or (spec.bits == 8 and spec.symmetric)  # int4: with mins (Q4_1 grid) or without (Q4_0)
 
 
-TILE = 8  # rows interleaved per tile (csrc/qgemv.cpp, q4_job and q8_job)
-
-
-def tile_codes(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """int4 or int8 qweight/scales[/mins] from the stored layout ([rows, bytes]: GGUF Q4 blocks or
-    int8 codes; [rows, groups]) to the kernel's: rows padded to a multiple of 8 with zeros, each
-    tile's row bytes as 4-byte chunks of its 8 rows in turn, scales and mins [tiles, groups, 8] (no
-    mins on a symmetric grid). A byte permutation: nothing is re-quantized, and `untile_codes`
-    restores the stored tensors exactly."""
-    q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
-    rows, width = q.shape
-    pad = -rows % TILE
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, width)])
-        per_group = {k: torch.cat([t, t.new_zeros(pad, t.shape[1])]) for k, t in per_group.items()}
-    tiles = q.shape[0] // TILE
-    out = {"qweight": q.view(tiles, TILE, width // 4, 4).transpose(1, 2).reshape(tiles * TILE, width)}
-    out.update({k: t.view(tiles, TILE, -1).transpose(1, 2).contiguous() for k, t in per_group.items()})
-    return out
-
-
-def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The stored-layout tensors of the given rows only (embedding lookups read a few rows)."""
-    q = tiled["qweight"]
-    width = q.shape[1]
-    tile, lane = rows // TILE, rows % TILE
-    out = {"qweight": q.view(-1, width // 4, TILE, 4)[tile, :, lane].reshape(-1, width)}
-    for name in ("scales", "mins"):
-        if name in tiled:
-            out[name] = tiled[name][tile, :, lane]
-    return out
-
-
-def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-    """All rows back in the stored layout (the inverse permutation: one copy, no gather)."""
-    q = tiled["qweight"]
-    padded, width = q.shape
-    out = {"qweight": q.view(padded // TILE, width // 4, TILE, 4).transpose(1, 2).reshape(padded, width)}
-    for name in ("scales", "mins"):
-        if name in tiled:
-            out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
-    return {name: t[:rows] for name, t in out.items()}
-
-
 _NO_MINS = torch.empty(0, dtype=torch.float16)  # symmetric layers (int8, int4 Q4_0 grid) have no mins
 
 
@@ -165,8 +123,6 @@ def make_kernel(layer, module):
 
 def prepare(model) -> int:
     """Attach the fused kernel to every supported quantized layer; returns how many got it."""
-    from hardy.compress.qlinear import QuantLinear
-
     module = load()
     if module is None:
         return 0

@@ -13,13 +13,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from hardy.compress import awq, gptq, prune
-from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, rtn
 from hardy.compress.store import spill
-from hardy.formats.gguf_quant import PackedQuant
 from hardy.devices import compute_device
 from hardy.errors import HardyError
+from hardy.formats.gguf_quant import PackedQuant
+from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, rtn
+from hardy.model.llama import meta_transformer
 
 QUANT_METHODS = ("rtn", "gptq", "awq")
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -322,8 +324,6 @@ def _tables(cfg: CompressConfig, mcfg) -> tuple[QuantSpec | None, list[str]]:
 
 def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progress: bool = True) -> CompressResult:
     """Compress `model` (fp32, modified in place: it ends up holding the dequantized weights)."""
-    from tqdm import tqdm
-
     mcfg = model.cfg
     quantized: dict[str, QuantTensor] = {}
     reports: list[LayerReport] = []
@@ -375,10 +375,6 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
     does not grow with the model's depth either. The same computation as `compress_model` on the
     loaded model (tested bit for bit). `state` holds only the float tensors that stay float (norms;
     dense embeddings; blocks outside `cfg.blocks`)."""
-    from tqdm import tqdm
-
-    from hardy.model.llama import meta_transformer
-
     calib = _calibration(cfg, calib, mcfg)
     model = meta_transformer(mcfg)  # the structure; each block is materialized in turn
     quantized: dict = {}

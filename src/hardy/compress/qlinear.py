@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hardy.formats.quantized import QuantTensor
+from hardy.formats.quantized import QuantTensor, tile_codes, tiled_rows, untile_codes
 
 # At most this many rows use the fused decode kernel (batched decode, short prompts): it beats the
 # slab path up to ~64 tokens, from SmolLM2's layers to 8B ones (bench/kernel_tokens.py).
@@ -62,9 +62,7 @@ class QuantLinear(nn.Module):
         return {name: getattr(self, name) for name in ("qweight", "scales", "mins") if getattr(self, name) is not None}
 
     def use_tiled_layout(self) -> None:
-        """Re-lay the codes for the kernel (hardy.compress.kernels.tile_codes), once."""
-        from hardy.compress.kernels import tile_codes
-
+        """Re-lay the codes for the kernel (hardy.formats.quantized.tile_codes), once."""
         if not self.tiled:
             for name, tensor in tile_codes(self._tensors()).items():
                 setattr(self, name, tensor)  # replaces the buffer: one copy of the weights either way
@@ -72,8 +70,6 @@ class QuantLinear(nn.Module):
 
     def stored(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """qweight/scales/mins in the stored layout (docs/quantization.md), all rows or some."""
-        from hardy.compress.kernels import tiled_rows, untile_codes
-
         tensors = self._tensors()
         if self.tiled:
             return untile_codes(tensors, self.out_features) if rows is None else tiled_rows(tensors, rows)
@@ -88,8 +84,6 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.tiled:  # stored layout in, kernel layout kept
-            from hardy.compress.kernels import tile_codes
-
             names = [prefix + n for n in self._tensors()]  # no mins on a symmetric grid
             if all(n in state_dict for n in names):
                 tiled = tile_codes({n.removeprefix(prefix): state_dict[n] for n in names})
@@ -136,6 +130,9 @@ class QuantEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:  # the float table, for code that reads embedding weights
         return self.table.dequantized_weight()
+
+    def quant_tensor(self) -> QuantTensor:  # what GGUF export repacks (hardy.formats.gguf_export)
+        return self.table.quant_tensor()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self.table

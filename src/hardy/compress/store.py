@@ -16,12 +16,18 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
-from hardy.formats.quantized import QuantSpec, QuantTensor
+from hardy.compress.qlinear import swap_quantized
 from hardy.errors import HardyError
+from hardy.formats.hf import config_from_hf, hf_config
 from hardy.formats.lazy_weights import SafetensorsFile, write_safetensors
 from hardy.formats.names import from_format, to_format
+from hardy.formats.quantized import QuantSpec, QuantTensor
+from hardy.formats.tokenizer import HardyTokenizer
 from hardy.fsio import atomic_directory
+from hardy.model.llama import meta_transformer
 
 FORMAT = "hardy.quant/1"
 MANIFEST = "quantization.json"
@@ -77,8 +83,6 @@ def _packed_makers(qt) -> dict[str, tuple[torch.dtype, tuple[int, ...], object]]
 def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, QuantTensor], tokenizer,
                     out: str | os.PathLike, meta: dict) -> Path:
     """Write atomically (temporary sibling directory, fsync, rename)."""
-    from hardy.formats.hf import hf_config
-
     with atomic_directory(out) as tmp:
         # written one tensor at a time (save_file would serialize them all into memory at once: twice
         # an 8B model's compressed size at the end of a streamed compression)
@@ -111,12 +115,6 @@ def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, Qu
 
 def load_compressed(path: str | os.PathLike):
     """(config, float state in hardy names, {hardy name: QuantTensor}, tokenizer, manifest)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from hardy.formats.hf import config_from_hf
-    from hardy.formats.tokenizer import HardyTokenizer
-
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -147,9 +145,6 @@ def load_compressed(path: str | os.PathLike):
 
 def model_from_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, QuantTensor], source: str):
     """Build on the meta device, swap in the quantized modules, load the float tensors in place."""
-    from hardy.compress.qlinear import swap_quantized
-    from hardy.model.llama import meta_transformer
-
     model = meta_transformer(cfg)
     swap_quantized(model, quantized)
     model.load_state_dict(state, strict=False, assign=True)

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hardy.compress.kernels import prepare
 from hardy.compress.qlinear import QuantLinear
-from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import TPSlice
+from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.parallel.parallelize import tp_kind
 
 
@@ -70,8 +71,6 @@ def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> bool
     """Replace `block.<name>`, if it is a QuantLinear, by this rank's slice of it — or, where the loader
     read only this rank's part (`tp_slice`), wire that part up as it is. False for anything else
     (hardy.parallel.parallelize.apply_tp's `shard_other`)."""
-    from hardy.compress.kernels import prepare
-
     parent_name, _, child = name.rpartition(".")
     parent = block.get_submodule(parent_name)
     full = getattr(parent, child)

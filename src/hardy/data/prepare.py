@@ -15,11 +15,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hardy.data.clean import FILTERS, CleanConfig, normalize, rejection_reason, split_documents
 from hardy.data.dedup import exact_duplicates, near_duplicates
 from hardy.data.text import resolve_text_path
 from hardy.errors import HardyError
+from hardy.formats.gguf_io import gguf_fields, open_gguf
+from hardy.formats.smollm2 import smollm2_gguf_path
+from hardy.formats.tokenizer import HardyTokenizer, tokenizer_from_gguf_fields
 from hardy.fsio import write_bytes_atomic
 
 INDEX_VERSION = 1
@@ -70,13 +74,7 @@ def read_documents(inputs: list[str]) -> tuple[list[str], int, int]:
 
 
 def build_tokenizer(spec: str, train_docs: list[str]):
-    from hardy.formats.tokenizer import HardyTokenizer
-
     if spec == "smollm2":
-        from hardy.formats.gguf_io import gguf_fields, open_gguf
-        from hardy.formats.smollm2 import smollm2_gguf_path
-        from hardy.formats.tokenizer import tokenizer_from_gguf_fields
-
         return tokenizer_from_gguf_fields(gguf_fields(open_gguf(smollm2_gguf_path())))
     if spec.startswith("bpe:"):
         try:
@@ -97,10 +95,6 @@ EOT = "<|endoftext|>"
 
 def train_bpe(docs: list[str], vocab_size: int):
     """Byte-level BPE with GPT-2's pre-tokenizer, so GGUF export can declare pre = "gpt-2" (llama.cpp's name for it)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from hardy.formats.tokenizer import HardyTokenizer
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

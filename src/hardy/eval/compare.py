@@ -18,10 +18,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.eval.perplexity import chunk_batches, paired_difference, plan_chunks, summarize
+from hardy.infer.generate import SamplingConfig, generate
+from hardy.loading.load import config_for, load_model, resolve_source, set_threads
+from hardy.model.config import count_parameters
+from hardy.ops.memory import peak_rss_bytes
 
 
 @dataclass
@@ -41,12 +46,8 @@ class CompareRow:
 
 
 def size_on_disk(spec: str) -> int:
-    from hardy.loading.load import resolve_source
-
     kind, path = resolve_source(spec)
     if kind == "run":  # a training checkpoint also holds optimizer state: count the fp32 weights it exports
-        from hardy.loading.load import config_for
-        from hardy.model.config import count_parameters
 
         return 4 * count_parameters(config_for(spec)).total
     if path.is_dir():
@@ -68,8 +69,6 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
     scored = 0
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(chunks), unit="chunk", desc="compare", dynamic_ncols=True)
     for group, batch in chunk_batches(chunks, tokens, batch_size, protocol, bos_id, add_bos):
         first, last = group[0].first_scored, group[0].last_scored
@@ -117,10 +116,6 @@ def measure_speed(spec: str, threads: int | None, prompt_tokens: int, new_tokens
 
 
 def _measure_main(spec: str, threads: int, prompt_tokens: int, new_tokens: int, device: str) -> None:
-    from hardy.loading.load import load_model, set_threads
-    from hardy.infer.generate import SamplingConfig, generate
-    from hardy.ops.memory import peak_rss_bytes
-
     set_threads(threads or None)
     loaded = load_model(spec, device=device)
     vocab = loaded.config.vocab_size
@@ -153,10 +148,10 @@ def pareto(rows: list[CompareRow], x_key: str, smaller_x_better: bool) -> list[s
 
 
 def plot(rows: list[CompareRow], out: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # start-up: matplotlib loads only when a plot is drawn
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt  # after use("Agg")
 
     panels = [("size_bytes", "size on disk (MB)", 1e6, True)]
     if any(r.decode_tps for r in rows):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from hardy.devices import compute_device
 from hardy.errors import HardyError
@@ -151,8 +152,6 @@ def perplexity(model, tokens: list[int], ctx: int = 512, protocol: str = "llama.
     nlls = []
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(chunks), unit="chunk", desc=f"perplexity ({protocol})", dynamic_ncols=True)
     device = compute_device(model)
     for group, batch in chunk_batches(chunks, tokens, batch_size, protocol, bos_id, add_bos):

@@ -13,24 +13,24 @@ with the `gguf` package's reference kernels.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
-from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.errors import HardyError
 from hardy.formats.names import permute_qk, to_format
+from hardy.formats.quantized import QuantSpec, QuantTensor
 
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32
 
 
 def _file_type(name: str):
-    import gguf
-
     return {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
             "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
             "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[name]
@@ -58,16 +58,19 @@ def _permute_quant(qt: QuantTensor, heads: int) -> QuantTensor:
                        mins=None if qt.mins is None else permute_qk(qt.mins, heads), spec=qt.spec)
 
 
+def _holds_quantized_weight(module) -> bool:
+    """hardy's quantized modules (hardy.compress.qlinear) expose their weight as `quant_tensor()`."""
+    return callable(getattr(module, "quant_tensor", None))
+
+
 def _tensors(model, cfg) -> tuple[dict[str, torch.Tensor], dict[str, QuantTensor]]:
     """(float tensors, quantized tensors) by hardy name, with the tied head left out."""
-    from hardy.compress.qlinear import QuantEmbedding, QuantLinear
-
     quantized, floats = {}, {}
+    quantized_table = _holds_quantized_weight(model.tok_embeddings)
     for name, module in model.named_modules():
-        if isinstance(module, QuantEmbedding):
-            quantized[f"{name}.weight"] = module.table.quant_tensor()
-        elif isinstance(module, QuantLinear) and not name.endswith(".table") and not (
-                name == "output" and isinstance(model.tok_embeddings, QuantEmbedding)):
+        # an embedding's inner `.table` is the embedding's own weight; a tied head is that same table
+        if _holds_quantized_weight(module) and not name.endswith(".table") and not (
+                name == "output" and quantized_table):
             quantized[f"{name}.weight"] = module.quant_tensor()
     for name, p in model.named_parameters():
         floats[name] = p.detach().float()
@@ -108,10 +111,6 @@ def _tokenizer_metadata(writer, tokenizer) -> None:
 
 def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32") -> dict:
     """Write `out` atomically; returns {"repacked": n, "requantized": n, "float": n} tensor counts."""
-    import logging
-
-    import gguf
-
     logging.getLogger("gguf").setLevel(logging.WARNING)  # its writer narrates every file at INFO
     if qtype not in TYPES:
         raise HardyError(f"--type must be one of {', '.join(TYPES)} (got {qtype!r})")

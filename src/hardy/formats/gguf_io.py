@@ -10,11 +10,17 @@ import functools
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from hardy.errors import HardyError
+from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf, spec_for
+from hardy.formats.gguf_reader import GGUFFile
 from hardy.formats.names import check_weights, from_format, unpermute_qk
+from hardy.formats.quantized import QuantSpec
+from hardy.formats.tokenizer import tokenizer_from_gguf_fields
 from hardy.model.config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -24,8 +30,6 @@ def open_gguf(path: str | os.PathLike):
     """The file's header parsed (`hardy.formats.gguf_reader`); tensors are views of its memory map.
     Damaged or truncated files end in a one-line HardyError. One command opens a file several times
     (device choice, config, TP check, load): the parse is kept for the file as it is on disk now."""
-    from hardy.formats.gguf_reader import GGUFFile
-
     try:
         st = os.stat(path)
     except OSError:
@@ -35,8 +39,6 @@ def open_gguf(path: str | os.PathLike):
 
 @functools.lru_cache(maxsize=2)
 def _open_cached(path: str, size: int, mtime_ns: int):
-    from hardy.formats.gguf_reader import GGUFFile
-
     return GGUFFile(path)
 
 
@@ -88,8 +90,6 @@ def _config(fields: dict, arch: str, get, name: str) -> ModelConfig:
 
 def dequantize_tensor(t) -> torch.Tensor:
     """One GGUF tensor as fp32 in PyTorch (row-major) shape."""
-    import gguf
-
     try:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
@@ -116,8 +116,6 @@ def check_shapes(cfg: ModelConfig, tensors, path: Path) -> None:
 
 def load_gguf(path: str | os.PathLike, name: str = "custom"):
     """Return (config, fp32 state dict in hardy names, tokenizer, metadata fields)."""
-    from hardy.formats.tokenizer import tokenizer_from_gguf_fields
-
     path = Path(path)
     reader = open_gguf(path)
     fields = gguf_fields(reader)
@@ -139,17 +137,16 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
     return cfg, state, tokenizer, fields
 
 
-def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress: bool = False, tp_slices=None):
+def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress: bool = False, tp_slices=None,
+                        converter=None):
     """Return (config, float state, {hardy name: PackedQuant}, tokenizer, {GGUF type: count}).
 
     Quantized matrices go into hardy's format tensor by tensor from the memory-mapped file
     (`hardy.formats.gguf_quant`); only 1-D tensors and float matrices are read as float.
     `tp_slices(hardy name) -> TPSlice | None`: a tensor-parallel rank reads only its part of those
-    matrices (hardy.compress.tensor_parallel.rank_slices).
+    matrices (hardy.compress.tensor_parallel.rank_slices). `converter`: the compiled converters
+    (hardy.compress.kernels.load()) that write the kernels' layout in one pass; None: numpy.
     """
-    from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf
-    from hardy.formats.tokenizer import tokenizer_from_gguf_fields
-
     path = Path(path)
     reader = open_gguf(path)
     fields = gguf_fields(reader)
@@ -165,7 +162,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
                 cfg.n_kv_heads if ours.endswith("attention.wk.weight") else None)
             if is_quantized(t):
                 reader.prefetch(t)
-                q = packed_from_gguf(t, heads, tp_slices(ours) if tp_slices else None)
+                q = packed_from_gguf(t, heads, tp_slices(ours) if tp_slices else None, converter)
                 check_unpacks(q, f"{path}: {t.name}")
                 quantized[ours] = q
                 types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -179,6 +176,14 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
 
 
 def _progress(total: int, enabled: bool, desc: str):
-    from tqdm import tqdm
-
     return tqdm(total=total, unit="tensor", desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)
+
+
+def native_layout(path) -> list[tuple[str, QuantSpec, tuple[int, int]]]:
+    """(hardy name, spec, shape) of every matrix a native load quantizes, read from the header only."""
+    out = []
+    for t in open_gguf(path).tensors:
+        ours = from_format(t.name, "gguf")
+        if ours is not None and is_quantized(t):
+            out.append((ours, spec_for(t.tensor_type.name), (int(t.shape[1]), int(t.shape[0]))))
+    return out

@@ -19,11 +19,13 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import torch
 
-from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn
 from hardy.errors import HardyError
+from hardy.formats.names import unpermute_qk
+from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn, untile_codes
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q4_K": "scales rounded to fp16"}
@@ -52,7 +54,7 @@ class PackedQuant:
     parts: dict[str, torch.Tensor]
     spec: QuantSpec
     shape: tuple[int, int]
-    tiled: bool = False  # already in the kernels' tiled layout (hardy.compress.kernels.tile_codes)
+    tiled: bool = False  # already in the kernels' tiled layout (hardy.formats.quantized.tile_codes)
     tp_slice: TPSlice | None = None  # only this tensor-parallel rank's rows or columns were read
 
     def packed(self) -> dict[str, torch.Tensor]:
@@ -61,8 +63,6 @@ class PackedQuant:
     def stored(self) -> dict[str, torch.Tensor]:
         if not self.tiled:
             return self.parts
-        from hardy.compress.kernels import untile_codes
-
         return untile_codes(self.parts, self.shape[0])
 
     def quant_tensor(self) -> QuantTensor:
@@ -142,8 +142,6 @@ REQUANT_ROWS = 2048  # rows dequantized at a time: a 128k-row Q6_K head never ex
 
 
 def _requantized(t) -> PackedQuant:
-    import gguf
-
     cols = int(t.shape[0])
     data = np.asarray(t.data)
     data = data.reshape(-1, data.shape[-1])
@@ -169,19 +167,15 @@ def conversion(type_name: str) -> str:
     return EXACT.get(type_name, "re-quantized to int8 g32")
 
 
-def _kernels():
-    from hardy.compress.kernels import load
-
-    return load()
-
-
-def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None) -> PackedQuant | None:
+def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
+                      converter=None) -> PackedQuant | None:
     """Q4_0/Q4_1/Q8_0/Q4_K/Q6_K straight into the kernels' tiled layout, rows reordered on the way,
-    by the kernels extension (one pass); None where it is not built (then the numpy path). `order`:
+    by the kernels extension (`converter`: hardy.compress.kernels.load(), passed in by the loader, which
+    sits above both); None where it is not given or not built (then the numpy path). `order`:
     the source row of each output row (fewer than the file's for a colwise rank); `tp` rowwise: only
     that rank's input columns are read."""
     name = t.tensor_type.name
-    module = _kernels() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else None
+    module = converter if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else None
     if module is None:
         return None
     values, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
@@ -220,15 +214,14 @@ def _column_blocks(t, tp: TPSlice, cols: int, values: int) -> tuple[int, int]:
     return c0 // values, c1 // values
 
 
-def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None) -> PackedQuant:
+def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None, converter=None) -> PackedQuant:
     """One quantized 2-D GGUF tensor as hardy's packed format; `heads`: undo llama.cpp's q/k row
     permutation (hardy.formats.names.unpermute_qk) on the way; `tp`: read only one tensor-parallel
-    rank's rows (colwise) or columns (rowwise) of it — the rest of the file is never touched."""
+    rank's rows (colwise) or columns (rowwise) of it — the rest of the file is never touched;
+    `converter`: the compiled converters (see `_converted_in_cpp`), else numpy."""
     rows = int(np.prod([int(d) for d in t.shape[1:]]))
     order = None
     if heads:
-        from hardy.formats.names import unpermute_qk
-
         order = unpermute_qk(torch.arange(rows), heads)
     if tp is not None and tp.kind == "colwise":
         if rows % tp.parts:
@@ -236,7 +229,7 @@ def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None) -> 
                              f"{tp.parts} processes")
         r0, r1 = tp.span(rows)
         order = (torch.arange(rows) if order is None else order)[r0:r1]
-    fast = _converted_in_cpp(t, order, tp)
+    fast = _converted_in_cpp(t, order, tp, converter)
     if fast is None:
         fast = _packed_in_file_order(t)
         if tp is not None and tp.kind == "rowwise":
@@ -264,8 +257,6 @@ def _column_slice(q: PackedQuant, t, tp: TPSlice) -> PackedQuant:
 
 def gguf_block_values(t) -> int:
     """Values per block of the tensor's GGUF type (32 for the legacy types, 256 for K-quants)."""
-    import gguf
-
     return gguf.GGML_QUANT_SIZES[t.tensor_type][0]
 
 
@@ -301,16 +292,3 @@ def spec_for(type_name: str) -> QuantSpec:
     if type_name == "Q4_0":
         return INT4_SYM_G32
     return INT4_G32 if type_name in ("Q4_1", "Q4_K") else INT8_G32
-
-
-def native_layout(path) -> list[tuple[str, QuantSpec, tuple[int, int]]]:
-    """(hardy name, spec, shape) of every matrix a native load quantizes, read from the header only."""
-    from hardy.formats.gguf_io import open_gguf
-    from hardy.formats.names import from_format
-
-    out = []
-    for t in open_gguf(path).tensors:
-        ours = from_format(t.name, "gguf")
-        if ours is not None and is_quantized(t):
-            out.append((ours, spec_for(t.tensor_type.name), (int(t.shape[1]), int(t.shape[0]))))
-    return out

@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from hardy.errors import HardyError
@@ -127,8 +128,6 @@ class GGUFFile:
     """`fields`: {key: value} (str, int, float, bool or lists); `tensors`: TensorInfo in file order."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise HardyError(f"model file not found: {self.path}")

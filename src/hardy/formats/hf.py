@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from hardy.errors import HardyError
-from hardy.fsio import atomic_directory
+from hardy.formats.lazy_weights import LazyWeights, weight_files
 from hardy.formats.names import to_format
+from hardy.formats.tokenizer import HardyTokenizer
+from hardy.fsio import atomic_directory
 from hardy.model.config import ModelConfig, RopeScaling
 
 
@@ -83,9 +85,6 @@ def _config(data: dict) -> ModelConfig:
 
 def open_hf_dir(path: str | os.PathLike):
     """(config, LazyWeights, tokenizer or None): the weights stay on disk until a tensor is asked for."""
-    from hardy.formats.lazy_weights import LazyWeights, weight_files
-    from hardy.formats.tokenizer import HardyTokenizer
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():

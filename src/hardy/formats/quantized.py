@@ -200,3 +200,48 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     out, half = packed.shape
     blocks = packed.reshape(out, half * 2 // PACK_BLOCK, PACK_BLOCK // 2)
     return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(out, half * 2)
+
+
+# The kernels' tiled layout (csrc/qgemv.cpp reads it; GGUF loading converts straight into it).
+TILE = 8  # rows interleaved per tile (csrc/qgemv.cpp, q4_job and q8_job)
+
+
+def tile_codes(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int4 or int8 qweight/scales[/mins] from the stored layout ([rows, bytes]: GGUF Q4 blocks or
+    int8 codes; [rows, groups]) to the kernel's: rows padded to a multiple of 8 with zeros, each
+    tile's row bytes as 4-byte chunks of its 8 rows in turn, scales and mins [tiles, groups, 8] (no
+    mins on a symmetric grid). A byte permutation: nothing is re-quantized, and `untile_codes`
+    restores the stored tensors exactly."""
+    q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
+    rows, width = q.shape
+    pad = -rows % TILE
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, width)])
+        per_group = {k: torch.cat([t, t.new_zeros(pad, t.shape[1])]) for k, t in per_group.items()}
+    tiles = q.shape[0] // TILE
+    out = {"qweight": q.view(tiles, TILE, width // 4, 4).transpose(1, 2).reshape(tiles * TILE, width)}
+    out.update({k: t.view(tiles, TILE, -1).transpose(1, 2).contiguous() for k, t in per_group.items()})
+    return out
+
+
+def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored-layout tensors of the given rows only (embedding lookups read a few rows)."""
+    q = tiled["qweight"]
+    width = q.shape[1]
+    tile, lane = rows // TILE, rows % TILE
+    out = {"qweight": q.view(-1, width // 4, TILE, 4)[tile, :, lane].reshape(-1, width)}
+    for name in ("scales", "mins"):
+        if name in tiled:
+            out[name] = tiled[name][tile, :, lane]
+    return out
+
+
+def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """All rows back in the stored layout (the inverse permutation: one copy, no gather)."""
+    q = tiled["qweight"]
+    padded, width = q.shape
+    out = {"qweight": q.view(padded // TILE, width // 4, TILE, 4).transpose(1, 2).reshape(padded, width)}
+    for name in ("scales", "mins"):
+        if name in tiled:
+            out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
+    return {name: t[:rows] for name, t in out.items()}

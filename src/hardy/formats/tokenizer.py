@@ -113,7 +113,7 @@ class HardyTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise HardyError("this model has no chat template; run without --chat")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # start-up: only chat prompts need jinja2
 
         def raise_exception(message):
             raise HardyError(f"chat template: {message}")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from hardy.compress.kernels import kernel_group, kernel_tensors, load
+from hardy.compress.qlinear import QuantLinear
+from hardy.model.llama import BLOCK_LINEARS, RMSNorm, TransformerBlock
+
 
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
-    from hardy.compress.kernels import kernel_group, kernel_tensors
-    from hardy.compress.qlinear import QuantLinear
-    from hardy.model.llama import BLOCK_LINEARS
-
     tensors, dims = [], []
     for name in BLOCK_LINEARS:
         layer = block.get_submodule(name)
@@ -33,8 +33,6 @@ def fused_blocks(model) -> tuple | None:
     cached = getattr(model, "_fused_decode", False)
     if cached is not False:
         return cached
-    from hardy.compress.kernels import load
-    from hardy.model.llama import RMSNorm, TransformerBlock
 
     module = load()
     fused = None

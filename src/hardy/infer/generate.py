@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from hardy.compress.qlinear import QuantLinear
 from hardy.devices import compute_device, synchronize
 from hardy.errors import HardyError
+from hardy.infer.fused_decode import decode_hidden
 
 
 @dataclass
@@ -76,8 +79,6 @@ def next_logits(model, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
     """Logits of the last position only: the LM head (49k x 576 for SmolLM2) runs on one row.
     A cached single-token step goes through `decode_hidden` (the fused blocks where they apply)."""
     if tokens.shape[1] == 1 and model.layers[0].attention.kv_cache is not None:
-        from hardy.infer.fused_decode import decode_hidden
-
         return model.output(decode_hidden(model, tokens, start_pos)[0, -1])
     return model.output(model.hidden_states(tokens, start_pos)[0, -1])
 
@@ -94,11 +95,8 @@ COMPILED_CACHE_STEP = 256
 
 def compile_blocker(model) -> str | None:
     """Why `torch.compile` of the decode step does not apply to this model, or None when it does."""
-    from hardy.compress.qlinear import QuantLinear
-
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         return "quantized layers run hardy's own C++ kernels (one fused call for all blocks), which compile cannot trace"
-    from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return "a tensor-parallel model's steps run through collectives; compile is for one process"

@@ -7,19 +7,29 @@ samples the same token; rank 0 prints.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+from pathlib import Path
 
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import get_args_parser, run
+
+from hardy.compress.store import MANIFEST, is_compressed_dir
+from hardy.compress.tensor_parallel import check_split, shard_quantized_linear
 from hardy.errors import HardyError
+from hardy.formats.gguf_io import native_layout
+from hardy.formats.quantized import QuantSpec
+from hardy.loading.load import resolve_source
+from hardy.parallel.distributed import init_distributed
+from hardy.parallel.parallelize import apply_tp, check_tp_degree, tp_kind
 
 
 def relaunch_under_torchrun(nproc: int, argv: list[str], threads: int | None) -> int:
     """Run `python -m hardy ARGV` on `nproc` local processes (torchrun, no restarts)."""
-    import signal
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import get_args_parser, run
-
     total = threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(max(1, total // nproc))
     args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
@@ -48,19 +58,8 @@ def cpu_only(args) -> None:
 
 def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
     """Refuse, before any process starts, a degree the model cannot be split into."""
-    import json
-    from pathlib import Path
-
-    from hardy.formats.quantized import QuantSpec
-    from hardy.compress.store import MANIFEST, is_compressed_dir
-    from hardy.parallel.parallelize import check_tp_degree, tp_kind
-    from hardy.compress.tensor_parallel import check_split
-
     check_tp_degree(cfg, tp)
     if gguf == "native":
-        from hardy.formats.gguf_quant import native_layout
-        from hardy.loading.load import resolve_source
-
         kind, path = resolve_source(spec)
         if kind == "gguf":
             for name, qspec, shape in native_layout(path):
@@ -80,16 +79,9 @@ def check_tp(spec: str, cfg, tp: int, gguf: str = "float") -> None:
 
 def shard_model(model, tp: int):
     """Shard a loaded (float or quantized) model over the torchrun world; returns the distributed environment."""
-    import torch
-
-    from hardy.parallel.distributed import init_distributed
-    from hardy.compress.tensor_parallel import shard_quantized_linear
-    from hardy.parallel.parallelize import apply_tp
-
     env = init_distributed("gloo")
     if env.world_size != tp:
         raise HardyError(f"--tp {tp} but {env.world_size} processes were started")
-    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     apply_tp(model, mesh, shard_other=shard_quantized_linear)

@@ -7,18 +7,27 @@ nothing beneath it imports it (tests/test_layers.py).
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hardy.checkpoint.run_model import load_run_model, run_config
+from hardy.compress import kernels
+from hardy.compress.kernels import prepare
+from hardy.compress.store import is_compressed_dir, load_compressed, model_from_compressed
 from hardy.errors import HardyError
+from hardy.formats.gguf_io import config_from_gguf, gguf_fields, load_gguf, load_gguf_quantized, open_gguf
+from hardy.formats.gguf_quant import is_quantized
+from hardy.formats.hf import config_from_hf, load_hf_dir
 from hardy.formats.names import check_layer_count, check_weights
 from hardy.formats.smollm2 import smollm2_gguf_path
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
 from hardy.model.llama import Transformer, meta_transformer
+
 
 @dataclass
 class LoadedModel:
@@ -52,8 +61,6 @@ GGUF_WEIGHTS = ("native", "float")  # quantized GGUF matrices kept quantized, or
 def is_quantized_source(spec: str, gguf: str = "float") -> bool:
     """Will `--model` load with quantized layers (a `hardy compress` directory, or a quantized GGUF
     loaded natively)? Unresolvable specs: False (loading them reports the problem)."""
-    from hardy.compress.store import is_compressed_dir
-
     try:
         kind, path = resolve_source(spec)
     except HardyError:
@@ -61,8 +68,6 @@ def is_quantized_source(spec: str, gguf: str = "float") -> bool:
     if kind == "gguf":
         if gguf != "native":
             return False
-        from hardy.formats.gguf_io import open_gguf
-        from hardy.formats.gguf_quant import is_quantized
 
         try:
             return any(is_quantized(t) for t in open_gguf(path).tensors)
@@ -77,19 +82,12 @@ def config_for(spec: str) -> ModelConfig:
         return PRESETS[spec]
     kind, path = resolve_source(spec)
     if kind == "gguf":
-        from hardy.formats.gguf_io import config_from_gguf, gguf_fields, open_gguf
-
         reader = open_gguf(path)
         cfg = config_from_gguf(gguf_fields(reader), path, "smollm2-135m" if spec == "smollm2-135m" else path.stem)
         tied = all(t.name != "output.weight" for t in reader.tensors)
         return cfg.replace(tie_embeddings=tied)
     if kind == "run":
-        from hardy.checkpoint.run_model import run_config
-
         return run_config(path)[0]
-    import json
-
-    from hardy.formats.hf import config_from_hf
 
     return config_from_hf(json.loads((path / "config.json").read_text()), path)
 
@@ -117,31 +115,22 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         raise HardyError(f"gguf weights must be one of {', '.join(GGUF_WEIGHTS)} (got {gguf!r})")
     kind, path = resolve_source(spec)
     if kind == "run":
-        from hardy.checkpoint.run_model import load_run_model
-
         cfg, model, tokenizer = load_run_model(path)
         return LoadedModel(model=model.to(dtype=dtype, device=device), tokenizer=tokenizer, config=cfg,
                            source=str(path))
     if kind == "gguf":
         name = "smollm2-135m" if spec == "smollm2-135m" else path.stem
         if gguf == "native":
-            from hardy.formats.gguf_io import load_gguf_quantized
-
             cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress,
-                                                                      tp_slices=tp_slices)
+                                                                      tp_slices=tp_slices, converter=kernels.load())
             return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
-        from hardy.formats.gguf_io import load_gguf
 
         cfg, state, tokenizer, _ = load_gguf(path, name=name)
     else:
-        from hardy.compress.store import is_compressed_dir
-
         if is_compressed_dir(path):  # hardy compress output: quantized modules swapped in at load
-            from hardy.compress.store import load_compressed
 
             cfg, state, quantized, tokenizer, _ = load_compressed(path)
             return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
-        from hardy.formats.hf import load_hf_dir
 
         cfg, state, tokenizer = load_hf_dir(path)
     model = model_from_state(cfg, state, str(path), dtype=dtype, device=device)
@@ -153,9 +142,6 @@ def quantized_model(cfg, state, quantized, tokenizer, source: str, dtype: torch.
     """Quantized modules swapped in on the meta device, float tensors loaded in place, kernels attached.
     Consumes `state` and `quantized` (emptied): the kernels' re-layout must not find the stored layout
     still referenced, or the weights would be held twice."""
-    from hardy.compress.kernels import prepare
-    from hardy.compress.store import model_from_compressed
-
     check_layer_count(cfg.n_layers, [*state, *quantized], source)
     model = model_from_compressed(cfg, state, quantized, source).to(device=device)
     state.clear()

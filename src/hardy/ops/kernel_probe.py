@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hardy.model.config import ModelConfig
+from hardy.model.llama import TransformerBlock, rope_tables
+
 MiB = 1 << 20
 
 
@@ -96,9 +99,6 @@ def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
     CPU, bf16 on a GPU: what each trains in), against `best_flops` of that dtype; the median of a few
     runs (a shared machine's bursts would flatter a best-of). The planner applies these, by width,
     to a model's layers and LM head."""
-    from hardy.model.config import ModelConfig
-    from hardy.model.llama import TransformerBlock, rope_tables
-
     if device.type == "cpu":
         shapes = [(4096, 64, 176, 4), (2048, 256, 688, 8), (1024, 576, 1536, 8), (512, 1536, 4096, 24)]
     else:
@@ -206,9 +206,6 @@ def measure_elementwise(device: torch.device, quick: bool) -> dict:
     and backward, at a size whose activations live in DRAM — timing only those operators (GEMMs and
     attention have their own probes). On a CPU this is a fraction of the copy bandwidth: broadcasts,
     concatenations, reductions and fresh output buffers, not streaming copies."""
-    from hardy.model.config import ModelConfig
-    from hardy.model.llama import TransformerBlock, rope_tables
-
     batch, seq = (8, 256) if device.type == "cpu" else (8, 2048)
     cfg = ModelConfig(vocab_size=256, dim=256 if device.type == "cpu" else 2048, n_layers=1, n_heads=8,
                       n_kv_heads=4, ffn_dim=688 if device.type == "cpu" else 5632, max_seq_len=seq, name="probe")

@@ -7,6 +7,7 @@ that would take seconds. The profile feeds the planner through `--hardware probe
 from __future__ import annotations
 
 import datetime
+import datetime as dt
 import json
 import os
 import platform
@@ -19,11 +20,19 @@ from typing import Callable
 
 import psutil
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from hardy.devices import DTYPES, cpu_flags, cpuinfo_fields
 from hardy.errors import HardyError
-from hardy.ops.kernel_probe import (measure_attention, measure_elementwise, measure_gemv, measure_layer_gemms,
-                                    measure_training_gemms, sync)
+from hardy.ops.kernel_probe import (
+    measure_attention,
+    measure_elementwise,
+    measure_gemv,
+    measure_layer_gemms,
+    measure_training_gemms,
+    sync,
+)
 
 SCHEMA = "hardy.probe/1"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "sve", "bf16", "i8mm")
@@ -204,10 +213,6 @@ def _free_port() -> int:
 
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], target: float) -> None:
     """One rank of the all-reduce test; rank 0 prints the per-size results as one JSON line."""
-    import datetime as dt
-
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=dt.timedelta(seconds=30))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
@@ -312,8 +317,6 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True,
     """The machine's profile. The two steps that run higher layers (hardy's int4 kernel:
     compress.kernel_rate; a real training run against the planner: plan.runtime_probe) are handed in
     by the caller, so ops/ imports neither; without them their sections are left out."""
-    from tqdm import tqdm
-
     directory = Path(directory)
     if not directory.is_dir():
         raise HardyError(f"--dir {directory}: not a directory")

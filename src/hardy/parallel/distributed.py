@@ -58,16 +58,18 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0, single_gro
 def _attempt_store(rank: int, world: int, timeout: timedelta):
     """torchrun's store, with keys private to this restart attempt.
 
-    The elastic agent can hand every restart the same store; the process group's address keys
-    left by the previous (killed) attempt would then be read by the new one, which dials dead
-    ports and fails or stalls. A per-attempt prefix gives every restart a clean namespace.
+    One node (the agent's own store, shared by every restart): the process group's address keys left
+    by a previous (killed) attempt would be read by the new one, which dials dead ports and fails or
+    stalls, so each attempt gets a prefix of its own. Several nodes: `hardy launch` has rank 0 host a
+    fresh store every round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), and no prefix is needed — nor
+    possible, as a replacement node's restart count starts again at 0 while the others' do not.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ.get("MASTER_ADDR", "localhost"), int(os.environ["MASTER_PORT"]), world,
                           is_master=(not agent_store and rank == 0), timeout=timeout,
                           multi_tenant=not agent_store)
-    return dist.PrefixStore(f"hardy/attempt_{attempt}/", store)
+    return dist.PrefixStore(f"hardy/attempt_{attempt}/" if agent_store else "hardy/", store)
 
 
 def barrier() -> None:

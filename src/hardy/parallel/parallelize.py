@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hardy.devices import DTYPES
 from hardy.errors import HardyError
 from hardy.parallel.dims import WRAPS, ParallelDims
-
 
 
 def preload() -> None:
@@ -26,12 +33,12 @@ def preload() -> None:
     checkpointed forward/backward and an AdamW step: their first use alone costs ~30 MB), so a run's
     measured memory is its own and does not depend on which features its configuration touches
     first. The trainer calls this before its memory meter starts."""
+    # imported here, at the moment the trainer chooses: that is what this function is for
     import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor.parallel  # noqa: F401
     import torch.nn.parallel  # noqa: F401
-    from torch.utils.checkpoint import checkpoint
 
     layer = nn.Linear(4, 4)
     opt = torch.optim.AdamW(layer.parameters())
@@ -59,7 +66,6 @@ def build_mesh(dims: ParallelDims, device_type: str, wrap: str | None = None):
     """The device mesh; None for one process that no wrapper needs."""
     if dims.world_size == 1 and wrap is None:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
 
     shape, names = dims.mesh_shape()
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
@@ -88,8 +94,6 @@ def apply_tp(model: nn.Module, mesh, shard_other=None) -> None:
     """Shard every block's attention and MLP over the mesh: float linears as DTensors. Layers that are
     not plain linears (quantized ones, inference only) go to `shard_other(block, name, kind, mesh)`,
     which returns True when it sharded one (hardy.compress.tensor_parallel slices stored codes)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     check_tp_degree(model.cfg, mesh.size())
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.layers:
@@ -122,8 +126,6 @@ def selective_save_ops() -> set:
 
 
 def selective_policy(save: set, random_ops: set):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     def policy(ctx, func, *args, **kwargs):
         # CUDA's dropout is one op (native_dropout): its mask is kept. On the CPU dropout is bernoulli_,
         # recomputed from the RNG state the checkpoint restores (preserve_rng_state): the same mask.
@@ -137,17 +139,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     matmul and attention outputs, recompute the rest). Returns how many blocks were wrapped."""
     if mode == "none":
         return 0
-    from functools import partial
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     every = 1 if mode in ("full", "selective") else int(mode.split(":", 1)[1])
     # With dropout the recomputed forward must draw the same masks as the first one.
     preserve_rng = model.cfg.dropout > 0
     extra = {}
     if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         aten = torch.ops.aten
         random_ops = {aten.native_dropout.default}
         extra["context_fn"] = partial(create_selective_checkpoint_contexts,
@@ -167,8 +164,6 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, cpu_offload: bool, pin_memory: bool = False) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Offloaded: sharded parameters, gradients and optimizer states live in host memory (pinned for
     # asynchronous copies on CUDA), the optimizer steps on the CPU, each layer is all-gathered onto
@@ -185,8 +180,6 @@ def fsdp_policies(model: nn.Module) -> dict | None:
     """What FSDP2 was really given, read back from its units (None without FSDP2): how many units,
     how many offload to the CPU, and the reduce dtype; recorded with each run so a setting that
     never reached FSDP2 shows."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     groups = []
     for module in model.modules():
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
@@ -222,10 +215,6 @@ def low_precision_allreduce_hook(dtype: torch.dtype):
 
 
 def wrap_ddp(model: nn.Module, mesh, reduce_dtype: torch.dtype) -> nn.Module:
-    import warnings
-
-    from torch.nn.parallel import DistributedDataParallel
-
     with warnings.catch_warnings():  # newer torch renames broadcast_buffers; the rope tables need no sync
         warnings.filterwarnings("ignore", category=FutureWarning)
         ddp = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.loading.load import config_for
 from hardy.model.config import ModelConfig, count_parameters, flops_per_token
 
 if sys.version_info >= (3, 11):
@@ -172,6 +173,5 @@ def load_arch(spec: str) -> Arch:
         if family != "llama":
             raise HardyError(f"model config {path}: family must be llama or gpt (got {family!r})")
         return arch_from_llama(ModelConfig.from_dict(data))
-    from hardy.loading.load import config_for
 
     return arch_from_llama(config_for(spec))

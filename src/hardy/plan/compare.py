@@ -6,14 +6,14 @@ from dataclasses import replace
 
 from hardy.errors import HardyError
 from hardy.plan.arch import load_arch
-from hardy.plan.report import fmt_bytes, fmt_time
+from hardy.plan.report import _pyplot, fmt_bytes, fmt_time
+from hardy.plan.serve import plan_serve
+from hardy.plan.train import search
 
 
 def compare_train(base, hws) -> tuple[list[str], list[list], list[dict]]:
     """The best configuration of `base` (a TrainJob) on each hardware entry; hardware without fast
     16-bit matmul is planned in fp32."""
-    from hardy.plan.train import search
-
     headers = ["hardware", "devices", "precision", "best configuration", "memory/device", "headroom", "step", "MFU",
                "goodput", "time to train", "cost"]
     rows, records = [], []
@@ -39,8 +39,6 @@ def compare_train(base, hws) -> tuple[list[str], list[list], list[dict]]:
 
 
 def compare_serve(args, hws) -> tuple[list[str], list[list], list[dict]]:
-    from hardy.plan.serve import plan_serve
-
     model = load_arch(args.model).model_config()
     headers = ["hardware", "devices", "quant", "memory/device", "headroom", "max batch", "TTFT", "decode tok/s/seq",
                "tok/s (max batch)", "$/M tokens"]
@@ -65,8 +63,6 @@ def compare_serve(args, hws) -> tuple[list[str], list[list], list[dict]]:
 
 
 def compare_figure(records: list[dict], workload: str):
-    from hardy.plan.report import _pyplot
-
     plt = _pyplot()
     ok = [r for r in records if r.get("fits")]
     fig, ax = plt.subplots(figsize=(7, 4.5))

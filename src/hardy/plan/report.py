@@ -90,10 +90,10 @@ def print_rows(rows: list[tuple[str, str]]) -> str:
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional dependency, and start-up: only reports draw
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # files only: no display
+        import matplotlib.pyplot as plt  # after use("Agg")
     except ImportError:
         raise HardyError("reports need matplotlib (pip install matplotlib)") from None
     return plt

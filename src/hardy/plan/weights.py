@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hardy.formats.quantized import QuantSpec
 from hardy.errors import HardyError
+from hardy.formats.gguf_io import open_gguf
+from hardy.formats.gguf_quant import is_quantized, spec_for
+from hardy.formats.names import from_format
+from hardy.formats.quantized import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,6 @@ def held_bytes(spec: QuantSpec, rows: int, cols: int) -> float:
 
 
 def layout_from_gguf(path) -> WeightLayout:
-    from hardy.formats.gguf_io import open_gguf
-    from hardy.formats.gguf_quant import is_quantized, spec_for
-    from hardy.formats.names import from_format
-
     matmul = head = embedding = norms = 0.0
     counts: dict[str, int] = {}
     quantized = False

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.fault.inject import parse_faults
+from hardy.model.config import PRESETS
 from hardy.parallel.dims import WRAPS
 
 if sys.version_info >= (3, 11):
@@ -39,8 +41,6 @@ class ModelSection:
     n_layers: int = 0
 
     def __post_init__(self):
-        from hardy.model.config import PRESETS
-
         _check(self.preset in PRESETS, f"model.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1) (got {self.dropout})")
         _check(self.n_layers >= 0, f"model.n_layers must be >= 0 (got {self.n_layers})")
@@ -171,13 +171,12 @@ class FaultSection:
     max_rollbacks: int = 3
     hang_timeout_s: float = 600.0  # no step completed for this long -> dump stacks, exit for a restart; 0 = off
     startup_timeout_s: float = 1800.0  # the same from process start to the first completed step
-    inject: str = ""  # e.g. "kill@37,kill_in_ckpt@60,nan@50,spike@70,hang@80,corrupt_ckpt@60" (@rankR optional)
+    # e.g. "kill@37,kill_in_ckpt@60,nan@50,spike@70,hang@80,corrupt_ckpt@60" (@rankR optional), "slow@rank1:2x@10-90"
+    inject: str = ""
     random_kill_rate: float = 0.0  # probability that a step ends in SIGKILL (simulated failure-prone cluster)
     random_seed: int = 0
 
     def __post_init__(self):
-        from hardy.fault.inject import parse_faults
-
         parse_faults(self.inject)
         _check(self.spike_window >= 3, "fault.spike_window must be >= 3")
         _check(self.spike_threshold > 0, "fault.spike_threshold must be > 0")
@@ -185,6 +184,27 @@ class FaultSection:
         _check(self.hang_timeout_s >= 0 and self.startup_timeout_s >= 0,
                "fault.hang_timeout_s and fault.startup_timeout_s must be >= 0")
         _check(0 <= self.random_kill_rate < 1, "fault.random_kill_rate must be in [0, 1)")
+
+
+@dataclass
+class HealthSection:
+    telemetry_interval_s: float = 10.0  # host (psutil) and GPU (NVML) sensors sampled this often; 0 = off
+    warn_gpu_temp_c: float = 85.0
+    warn_cpu_temp_c: float = 95.0
+    warn_swap_growth_mib: float = 256.0  # swap in use grown this much since the start
+    warn_disk_free_gib: float = 5.0  # free space left in the run directory
+    straggler_every: int = 50  # steps per straggler comparison across ranks; 0 = off (one process: off)
+    straggler_factor: float = 1.5  # slower than this times the median of the other ranks: a straggler
+    straggler_stop_after: int = 0  # stop the job when one rank is a straggler this many windows in a row; 0 = never
+
+    def __post_init__(self):
+        _check(self.telemetry_interval_s == 0 or self.telemetry_interval_s >= 0.1,
+               "health.telemetry_interval_s must be 0 (off) or >= 0.1")
+        _check(self.warn_swap_growth_mib >= 0 and self.warn_disk_free_gib >= 0,
+               "health.warn_swap_growth_mib and warn_disk_free_gib must be >= 0")
+        _check(self.straggler_every >= 0 and self.straggler_stop_after >= 0,
+               "health.straggler_every and straggler_stop_after must be >= 0")
+        _check(self.straggler_factor > 1, f"health.straggler_factor must be > 1 (got {self.straggler_factor})")
 
 
 @dataclass
@@ -208,6 +228,7 @@ class TrainConfig:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     fault: FaultSection = field(default_factory=FaultSection)
+    health: HealthSection = field(default_factory=HealthSection)
     log: LogSection = field(default_factory=LogSection)
 
     def to_dict(self) -> dict:

@@ -8,8 +8,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
+
+from tqdm import tqdm
+
+from hardy.errors import HardyError
 
 SCHEMA_VERSION = 1
 STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s", "mfu",
@@ -31,45 +36,50 @@ class MetricsLogger:
                  jsonl: bool = True, tensorboard: bool = False, progress: bool = True):
         self.enabled, self.every, self.total = enabled, every, total_steps
         self._jsonl = self._tb = self._bar = None
+        self._lock = threading.Lock()  # the telemetry thread logs too
         if not enabled:
             return
         if jsonl:
             self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional dependency
             except ImportError:
-                from hardy.errors import HardyError
-
                 raise HardyError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if progress and sys.stderr.isatty():
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
 
     def event(self, name: str, **fields) -> None:
         if self.enabled and self._jsonl:
-            self._jsonl.write(json.dumps({"schema": SCHEMA_VERSION, "event": name, "time": time.time(), **fields}) + "\n")
+            line = json.dumps({"schema": SCHEMA_VERSION, "event": name, "time": time.time(), **fields}) + "\n"
+            with self._lock:
+                self._jsonl.write(line)
+
+    def scalars(self, group: str, values: dict, step: int) -> None:
+        """The numeric fields of `values` to TensorBoard as GROUP/KEY (absent sensors are skipped)."""
+        if self.enabled and self._tb:
+            with self._lock:
+                for key, value in values.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "time":
+                        self._tb.add_scalar(f"{group}/{key}", value, step)
 
     def print(self, text: str) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
+        with self._lock:
+            if self._bar is not None:
+                self._bar.write(text)
+            else:
+                print(text, flush=True)
 
     def step(self, m: dict) -> None:
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
-        if self._jsonl:
-            self._jsonl.write(json.dumps({"schema": SCHEMA_VERSION, "event": "step", "time": time.time(), **clean}) + "\n")
-        if self._tb:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_bytes"):
-                if clean.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", clean[key], m["step"])
+        self.event("step", **clean)
+        self.scalars("train", {k: clean.get(k) for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu",
+                                                        "peak_mem_bytes")}, m["step"])
         if m["step"] % self.every == 0 or m["step"] == self.total or m["skipped"]:
             self.print(format_step(m, self.total))
         if self._bar is not None:

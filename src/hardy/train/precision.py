@@ -13,14 +13,13 @@ import contextlib
 import warnings
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def make_grad_scaler(enabled: bool, device: torch.device, distributed: bool, init_scale: float,
                      growth_interval: int):
     kwargs = {"init_scale": init_scale, "growth_interval": growth_interval, "enabled": enabled}
     if enabled and distributed:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         return ShardedGradScaler(device=device.type, **kwargs)
     return torch.amp.GradScaler(device.type, **kwargs)
 

@@ -5,6 +5,7 @@ RNG — is all checkpointed (see hardy.checkpoint.manager), so a resumed run con
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -17,26 +18,38 @@ import torch
 
 from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
 from hardy.data.loader import PackedLoader
+from hardy.data.prepare import load_index, load_split
 from hardy.devices import DTYPES, configure_cuda
 from hardy.errors import HardyError
-from hardy.fsio import write_json_atomic
 from hardy.fault.goodput import account, format_goodput
-from hardy.fault.inject import FaultInjector, corrupt_file
+from hardy.fault.inject import FaultInjector
 from hardy.fault.policy import SpikeDetector, daly_interval
+from hardy.fault.straggler import StragglerMonitor
 from hardy.fault.watchdog import Watchdog
-from hardy.model.config import ModelConfig, count_parameters, flops_per_token, get_preset
+from hardy.fsio import write_json_atomic
+from hardy.model.config import count_parameters, flops_per_token
 from hardy.model.llama import meta_transformer
 from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
 from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
+from hardy.ops.telemetry import TelemetrySampler, Thresholds, open_gpu_sensors
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import grad_sq_norm, scale_grads
+from hardy.parallel.parallelize import (
+    assign_full_state,
+    autocast_context,
+    build_mesh,
+    fsdp_policies,
+    grad_sync_context,
+    parallelize,
+    wrapping,
+)
 from hardy.parallel.parallelize import preload as preload_parallel
-from hardy.parallel.parallelize import (assign_full_state, autocast_context, build_mesh, fsdp_policies,
-                                        grad_sync_context, parallelize, wrapping)
 from hardy.train.config import TrainConfig
+from hardy.train.hooks import StepHooks
 from hardy.train.metrics import MetricsLogger
 from hardy.train.precision import load_scaler_state, make_grad_scaler, quiet_unscale, scale_tensor
+from hardy.train.setup import make_optimizer, prepare_dataset, resolve_model_config
 from hardy.train.timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -60,79 +73,6 @@ class RunSummary:
                 f"{self.peak_mem_bytes / 2**20:.1f} MiB, {self.skipped_steps} skipped step(s), "
                 f"{self.rollbacks} rollback(s)",
                 f"last checkpoint: {self.checkpoint or 'none'}"]
-
-
-def prepare_dataset(cfg: TrainConfig, run_dir: Path, env: D.DistEnv) -> Path:
-    """data.path as given, or data.inputs prepared once into RUN_DIR/data (rank 0; others wait).
-
-    Preparation runs in a child process so its memory peak does not count as the trainer's.
-    """
-    import subprocess
-    import sys
-
-    from hardy.data.prepare import INDEX_FILE
-
-    if cfg.data.path:
-        return Path(cfg.data.path)
-    target = run_dir / "data"
-
-    def work():
-        if (target / INDEX_FILE).exists():
-            return
-        cmd = [sys.executable, "-m", "hardy", "data", "prepare", "--input", *cfg.data.inputs,
-               "--tokenizer", cfg.data.tokenizer, "--out", str(target), "--val-fraction", str(cfg.data.val_fraction),
-               "--seed", str(cfg.train.seed)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        for line in proc.stdout.splitlines():
-            print(f"data: {line}", flush=True)
-        if proc.returncode:
-            raise HardyError(proc.stderr.strip().removeprefix("hardy: error: ") or "data preparation failed")
-
-    # The others wait on the store, not in a barrier: a big corpus takes longer than a collective's timeout.
-    D.main_rank_does("prepare-dataset", work, env.rank, cfg.fault.startup_timeout_s or 7 * 86400)
-    return target
-
-
-def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, dict | None]:
-    """The model config and, when fine-tuning, the pretrained weights (full tensors)."""
-    if cfg.model.init_from:
-        from hardy.loading.load import load_model
-
-        loaded = load_model(cfg.model.init_from)
-        mcfg = loaded.config
-        if mcfg.vocab_size < vocab_size:
-            raise HardyError(f"the data's tokenizer has {vocab_size} tokens but {cfg.model.init_from} has "
-                             f"{mcfg.vocab_size}: prepare the data with the model's tokenizer")
-        return mcfg.replace(dropout=cfg.model.dropout), loaded.model.state_dict()
-    mcfg = get_preset(cfg.model.preset)
-    if cfg.model.n_layers:
-        mcfg = mcfg.replace(n_layers=cfg.model.n_layers, name=f"{mcfg.name}[:{cfg.model.n_layers} layers]")
-    # the vocabulary comes from the data's tokenizer; dropout is a training choice
-    return mcfg.replace(vocab_size=vocab_size, dropout=cfg.model.dropout), None
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    from torch.distributed.tensor import DTensor
-
-    # Weight decay on matrices only. Plain tensors and DTensors go in separate groups: the foreach
-    # kernels run per group and cannot mix the two (tensor parallelism leaves norms/embeddings plain).
-    groups: dict[tuple[bool, bool], list] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        [{"params": ps, "weight_decay": o.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)  # default kernel: per-tensor on CPU (no big temporaries)
-    total, warmup = cfg.train.steps, o.warmup_steps
-
-    def lr_factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
 class Trainer:
@@ -170,7 +110,6 @@ class Trainer:
                         cfg.precision.dtype)
 
         data_dir = prepare_dataset(cfg, self.run_dir, self.env)
-        from hardy.data.prepare import load_index, load_split
 
         index = load_index(data_dir)
         self.tokens = load_split(data_dir, "train")
@@ -212,7 +151,17 @@ class Trainer:
         self.skipped = 0
         self.rollbacks = 0
         f = cfg.fault
-        self.injector = FaultInjector(f.inject, self.run_dir, self.env.rank, f.random_kill_rate, f.random_seed)
+        injector = FaultInjector(f.inject, self.run_dir, self.env.rank, f.random_kill_rate, f.random_seed)
+        h = cfg.health
+        self.telemetry: TelemetrySampler | None = None
+        self.straggler = None
+        if self.env.world_size > 1 and h.straggler_every:
+            self.straggler = StragglerMonitor(h.straggler_every, h.straggler_factor, h.straggler_stop_after,
+                                              self.env.device, lambda: self.telemetry and self.telemetry.latest,
+                                              self.report_health)
+        # the injector first: a slowed step is slow by the time the straggler monitor reads its clock
+        self.hooks = StepHooks([hook for hook in (injector if injector.active else None, self.straggler) if hook])
+        self._telemetry_file = None
         self.spikes = SpikeDetector(f.spike_window, f.spike_threshold, f.spike_warmup)
         self.logger: MetricsLogger | None = None
         self.tokens_per_step = self.dims.dp * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
@@ -227,9 +176,8 @@ class Trainer:
                          "spikes": self.spikes.state_dict(), "config": self.resolved}
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict()}
 
-        def written():  # DCP files are on disk, COMPLETE is not: the worst moment to die
-            if self.injector.due("kill_in_ckpt", self.step):
-                self.injector.kill()
+        def written():  # DCP files are on disk, COMPLETE is not
+            self.hooks.checkpoint_written(self.step)
 
         asynchronous = self.cfg.checkpoint.async_save and not final
         path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state, written, asynchronous)
@@ -251,9 +199,7 @@ class Trainer:
         return held
 
     def after_save(self, path: Path) -> None:
-        if self.env.is_main and self.injector.due("corrupt_ckpt", int(path.name.split("_")[1])):
-            damaged = corrupt_file(path)
-            log.info("fault injection: damaged %s", damaged)
+        self.hooks.checkpoint_saved(path, int(path.name.split("_")[1]), self.env.is_main)
 
     def restore(self, path: Path) -> None:
         trainer_state, rank_state = self.ckpt.load(path, self.model, self.optimizer)
@@ -321,9 +267,7 @@ class Trainer:
         accum = cfg.train.grad_accum
         self.timer.start()
         step = self.step + 1
-        if self.injector.due("hang", step):
-            self.injector.hang()
-        inject_nan, inject_spike = self.injector.due("nan", step), self.injector.due("spike", step)
+        self.hooks.before_step(step)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
             rows = self.loader.next_rows().to(device, non_blocking=True)  # pinned on CUDA: an async copy
@@ -331,10 +275,7 @@ class Trainer:
             with grad_sync_context(self.model, micro == accum - 1):
                 with autocast_context(device, cfg.precision.dtype, self.wrapper == "fsdp"):
                     loss = self.model(inputs, targets=targets)
-                if inject_nan:
-                    loss = loss * float("nan")
-                if inject_spike:
-                    loss = loss * 20.0  # its gradients are 20x too: the update must not be applied
+                loss = self.hooks.loss(step, loss)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -343,10 +284,13 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)  # the norm, clipping and AdamW see true gradients
         sq_norm = grad_sq_norm(params, device)
         nonfinite = (~torch.isfinite(loss_sum) | ~torch.isfinite(sq_norm)).double()
+        t_sync = time.perf_counter()
         summed = D.all_reduce_sum(torch.stack([loss_sum / accum, nonfinite]))  # any rank non-finite -> all skip
         # The step's one read-back from the device: everything the decisions below need.
         loss_total, bad_ranks, sq, scale = torch.stack(
             [summed[0], summed[1], sq_norm, scale_tensor(self.scaler, device).double()]).tolist()
+        if self.straggler is not None:
+            self.straggler.sync_wait = time.perf_counter() - t_sync
         mean_loss, grad_norm = loss_total / self.env.world_size, math.sqrt(sq)
         bad = bad_ranks > 0 or not (math.isfinite(grad_norm) and math.isfinite(mean_loss))
         skip = bad and (cfg.fault.skip_nonfinite or self.scaler.is_enabled())
@@ -378,8 +322,7 @@ class Trainer:
         self.advance_schedule()
         self.step += 1
         dt = self.timer.stop()
-        if self.injector.due("kill", self.step) or self.injector.random_kill_due(self.step):
-            self.injector.kill()
+        self.hooks.after_step(self.step)
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
                 "step_time_s": dt, "skipped": bool(skip), "loss_scale": scale, "ckpt_wait_s": ckpt_wait}
@@ -397,6 +340,43 @@ class Trainer:
         if c.interval and self.step % c.interval == 0:
             return True
         return bool(c.interval_seconds) and since_last >= c.interval_seconds
+
+    # --- health: telemetry and stragglers ---------------------------------------------------------
+
+    def report_health(self, event: str, fields: dict, line: str | None) -> None:
+        """The main rank logs health events to the metrics stream and the console; the others keep their
+        telemetry in RUN_DIR/telemetry_rank<R>.jsonl and their warnings in their own log."""
+        if self.env.is_main:
+            if self.logger is not None:
+                self.logger.event(event, step=self.step, **fields)
+                if line:
+                    self.logger.print(line)
+            return
+        if event == "telemetry":
+            if self._telemetry_file is None:
+                self._telemetry_file = open(self.run_dir / f"telemetry_rank{self.env.rank}.jsonl", "a", buffering=1)
+            self._telemetry_file.write(json.dumps({"event": event, "step": self.step, **fields}) + "\n")
+        if event == "health_warning":  # its own sensors: only this rank knows (straggler reports are rank 0's)
+            log.warning("%s", line)
+
+    def start_telemetry(self) -> None:
+        h = self.cfg.health
+        if not h.telemetry_interval_s:
+            return
+        device = self.env.device
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None
+        gpu = open_gpu_sensors(device.index if device.type == "cuda" else None, f"GPU-{uuid}" if uuid else None)
+        limits = Thresholds(h.warn_gpu_temp_c, h.warn_cpu_temp_c, h.warn_swap_growth_mib, h.warn_disk_free_gib)
+
+        def emit(sample: dict, warnings: list[str]) -> None:
+            self.report_health("telemetry", sample, None)
+            if self.env.is_main and self.logger is not None:
+                self.logger.scalars("health", sample, self.step)
+            for warning in warnings:
+                self.report_health("health_warning", {"rank": self.env.rank, "warning": warning},
+                                   f"health warning (rank {self.env.rank}): {warning}")
+
+        self.telemetry = TelemetrySampler(self.run_dir, h.telemetry_interval_s, emit, limits, gpu).start()
 
     def run(self) -> RunSummary:
         cfg = self.cfg
@@ -416,6 +396,7 @@ class Trainer:
         logger.event("start", step=self.step, config=self.resolved, peak_flops=peak, peak_source=self.peak_source,
                      device=on, flops_per_token=self.flops_per_token, resumed_from=str(resumed) if resumed else None,
                      fsdp=fsdp_policies(self.model))
+        self.start_telemetry()
         watchdog = self.watchdog
         t_start = time.perf_counter()
         last_save, last_stall = time.perf_counter(), None
@@ -466,6 +447,10 @@ class Trainer:
             return summary
         finally:
             watchdog.stop()
+            if self.telemetry is not None:
+                self.telemetry.stop()
+            if self._telemetry_file is not None:
+                self._telemetry_file.close()
             self.ckpt.close()
             logger.close()
 

@@ -1,0 +1,122 @@
+"""Launching a training job: torchrun's arguments for one node or many, and a ready Slurm script.
+
+One node: torchrun's `--standalone`. Several: its c10d rendezvous — every node runs the same
+`hardy launch --nnodes MIN:MAX --rdzv-endpoint HOST:PORT` and the elastic agents agree on membership,
+ranks and restarts; the store lives on the endpoint's node (`--node-rank 0` hosts it). Slurm: one
+launcher per node started by `srun`, the endpoint being the job's first node (the pattern of the
+PyTorch and torchtitan docs).
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from hardy.errors import HardyError
+
+DEFAULT_PORT = 29500
+
+
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX' -> (min, max)."""
+    parts = spec.split(":")
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        raise HardyError(f"--nnodes must be N or MIN:MAX (got {spec!r})")
+    low, high = int(parts[0]), int(parts[-1])
+    if not 1 <= low <= high:
+        raise HardyError(f"--nnodes {spec}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_endpoint(spec: str) -> tuple[str, int]:
+    host, sep, port = spec.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise HardyError(f"--rdzv-endpoint must be HOST:PORT (got {spec!r})")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class Launch:
+    nproc: int  # processes on this node
+    max_restarts: int = 0
+    nnodes: str | None = None  # None: this node alone
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "hardy"
+    node_rank: int | None = None  # 0 hosts the rendezvous store; None: torch decides from the endpoint's address
+
+    def node_counts(self) -> tuple[int, int]:
+        return parse_nnodes(self.nnodes) if self.nnodes else (1, 1)
+
+    def torchrun_args(self, module_args: list[str]) -> list[str]:
+        """The torchrun command line (after `torchrun`) that runs `python -m hardy MODULE_ARGS`."""
+        if self.nproc < 1:
+            raise HardyError(f"--nproc must be >= 1 (got {self.nproc})")
+        if self.max_restarts < 0:
+            raise HardyError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        common = ["--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts)]
+        if self.nnodes is None:
+            if self.rdzv_endpoint or self.node_rank is not None:
+                raise HardyError("--rdzv-endpoint and --node-rank go with --nnodes (several nodes)")
+            return ["--standalone", *common, "--module", "hardy", *module_args]
+        parse_nnodes(self.nnodes)
+        if not self.rdzv_endpoint:
+            raise HardyError("--nnodes needs --rdzv-endpoint HOST:PORT (the first node's address, the same on every node)")
+        parse_endpoint(self.rdzv_endpoint)
+        if self.node_rank is not None and self.node_rank < 0:
+            raise HardyError(f"--node-rank must be >= 0 (got {self.node_rank})")
+        args = ["--nnodes", self.nnodes, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
+                "--rdzv-id", self.rdzv_id]
+        if self.node_rank is not None:  # explicit: on loopback every node's address matches the endpoint
+            args += ["--rdzv-conf", f"is_host={'true' if self.node_rank == 0 else 'false'}"]
+        return [*args, "--module", "hardy", *module_args]
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    nodes: int
+    gpus_per_node: int  # 0: a CPU job, `procs_per_node` processes per node on gloo
+    procs_per_node: int
+    train_args: list[str]  # `hardy train` arguments: config, --run-dir, --set ...
+    run_dir: str
+    job_name: str = "hardy"
+    max_restarts: int = 3
+    port: int = DEFAULT_PORT
+    partition: str | None = None
+    time_limit: str | None = None  # Slurm's --time, e.g. 24:00:00
+    cpus_per_task: int | None = None
+    python: str = "python3"  # the interpreter hardy is installed in, as every node sees it
+
+    def script(self) -> str:
+        if self.nodes < 1 or self.procs_per_node < 1 or self.gpus_per_node < 0:
+            raise HardyError("--nodes and processes per node must be >= 1, --gpus-per-node >= 0")
+        if self.gpus_per_node and self.procs_per_node != self.gpus_per_node:
+            raise HardyError("one process per GPU: --nproc must equal --gpus-per-node (or leave --nproc out)")
+        lines = ["#!/bin/bash", f"#SBATCH --job-name={self.job_name}", f"#SBATCH --nodes={self.nodes}",
+                 "#SBATCH --ntasks-per-node=1  # one hardy launcher per node; it starts the node's processes"]
+        if self.gpus_per_node:
+            lines.append(f"#SBATCH --gpus-per-node={self.gpus_per_node}")
+        if self.cpus_per_task:
+            lines.append(f"#SBATCH --cpus-per-task={self.cpus_per_task}")
+        if self.partition:
+            lines.append(f"#SBATCH --partition={self.partition}")
+        if self.time_limit:
+            lines.append(f"#SBATCH --time={self.time_limit}")
+        # Slurm opens the output file before the script runs: RUN_DIR must exist (`hardy launch --slurm`
+        # creates it when it writes RUN_DIR/sbatch.sh)
+        lines += [f"#SBATCH --output={self.run_dir}/slurm-%j.out", "", "set -euo pipefail",
+                  "# the rendezvous runs on the job's first node, at an address the other nodes can reach",
+                  'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                  'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
+                  'case "$head_addr" in',
+                  "  127.*|::1|\"\")  # /etc/hosts may map the name to loopback: use the node's first real address",
+                  '    head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname -I | awk \'{print $1}\') ;;',
+                  "esac",
+                  'if [ -z "$head_addr" ]; then echo "hardy: error: no address for $head_node" >&2; exit 1; fi',
+                  f'echo "hardy: {self.nodes} node(s), rendezvous at $head_addr:{self.port}, job $SLURM_JOB_ID"',
+                  "", "# every node's launcher joins the same c10d rendezvous; torchrun's agents restart the group",
+                  "# (from the newest complete checkpoint) after a failure, up to --max-restarts times"]
+        launcher = [self.python, "-m", "hardy", "launch", "--nnodes", str(self.nodes), "--nproc",
+                    str(self.procs_per_node)]
+        lines.append("srun " + " ".join(shlex.quote(a) for a in launcher)
+                     + f' --rdzv-endpoint "$head_addr:{self.port}" --rdzv-id "$SLURM_JOB_ID"'
+                     + f" --max-restarts {self.max_restarts} " + " ".join(shlex.quote(a) for a in self.train_args))
+        return "\n".join(lines) + "\n"
