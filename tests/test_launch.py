@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, hardy_main
 from hardy.errors import HardyError
-from hardy.ops.launch import Launch
+from hardy.ops.launch import Launch, node_rank_of
 from trainutil import BASE, assert_bitwise_equal, launch
 
 STEPS = ("train.steps=12", "checkpoint.interval=4", "checkpoint.at_end=true", "checkpoint.keep=5",
@@ -92,6 +92,8 @@ def test_launcher_arguments_are_checked_before_anything_starts():
                          (Launch(2, rdzv_endpoint="h:1"), "go with --nnodes"), (Launch(0), "--nproc")]:
         with pytest.raises(HardyError, match=message):
             bad.torchrun_args(["train"])
+    assert node_rank_of(None, "2", {"SLURM_NODEID": "1"}) == 1 and node_rank_of(0, "2", {"SLURM_NODEID": "1"}) == 0
+    assert node_rank_of(None, "2", {}) is None and node_rank_of(None, None, {"SLURM_NODEID": "1"}) is None
     proc = hardy_main("launch", "configs/tiny-cpu.toml", "--nproc", "3", "--nnodes", "1:2",
                      "--rdzv-endpoint", "127.0.0.1:1", "--set", "parallel.tp=2")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "tp" in proc.stderr

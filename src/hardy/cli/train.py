@@ -9,7 +9,7 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.fsio import write_bytes_atomic
-from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob
+from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of
 
 
 def register(sub) -> None:
@@ -37,8 +37,8 @@ def register(sub) -> None:
                        help="the rendezvous: the first node's address (the same on every node)")
     nodes.add_argument("--rdzv-id", default=None, help="job id shared by every node (default: the run dir's name)")
     nodes.add_argument("--node-rank", type=int, default=None,
-                       help="0 on the node that hosts the rendezvous store (default: the node whose address is the "
-                            "endpoint's)")
+                       help="0 on the node that hosts the rendezvous store (default: $SLURM_NODEID under srun, else "
+                            "the node whose address is the endpoint's)")
     slurm = lp.add_argument_group("Slurm (writes an sbatch script: srun starts one launcher per node)")
     slurm.add_argument("--slurm", action="store_true", help="write the sbatch script instead of running the job")
     slurm.add_argument("--nodes", type=int, default=None, help="Slurm nodes")
@@ -78,7 +78,7 @@ def run_launch(args) -> int:
     cfg = load_config(args.config, args.set)  # validate before starting any process
     run_dir = args.run_dir or str(default_run_dir(args.config))
     launch = Launch(args.nproc, args.max_restarts, args.nnodes, args.rdzv_endpoint,
-                    args.rdzv_id or Path(run_dir).name, args.node_rank)
+                    args.rdzv_id or Path(run_dir).name, node_rank_of(args.node_rank, args.nnodes, os.environ))
     train_args = ["train", args.config, "--run-dir", run_dir]
     for item in args.set:
         train_args += ["--set", item]

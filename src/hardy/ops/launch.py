@@ -34,6 +34,16 @@ def parse_endpoint(spec: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def node_rank_of(given: int | None, nnodes: str | None, env) -> int | None:
+    """--node-rank, else $SLURM_NODEID under srun for a multi-node launch: Slurm numbers the nodes and
+    node 0 is the one the script's endpoint names (a head node whose host name resolves to loopback
+    would not recognize the endpoint's address as its own, and no node would host the store)."""
+    if given is not None or not nnodes:
+        return given
+    slurm = env.get("SLURM_NODEID", "")
+    return int(slurm) if slurm.isdigit() else None
+
+
 @dataclass(frozen=True)
 class Launch:
     nproc: int  # processes on this node
