@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import hardy
 from hardy.ops.matmul_probe import has_fast_bf16
-from hardy.ops.telemetry import Thresholds, open_gpu_sensors, take_sample
+from hardy.ops.telemetry import Thresholds, device_sensors, take_sample
 
 PASS, WARN, FAIL, NA = "pass", "warn", "fail", "n/a"
 
@@ -202,7 +202,7 @@ def check_shared_filesystem(run_dir: Path, rank: int, world: int, device: torch.
 
 def local_checks(run_dir: Path, device: torch.device, rank: int, dtype: str, needed_bytes: float,
                  probe_bytes: int = 64 << 20) -> list[Check]:
-    gpu = open_gpu_sensors(device.index if device.type == "cuda" else None)
+    gpu = device_sensors(device)
     sample = take_sample(run_dir if run_dir.exists() else Path(run_dir).anchor or "/", gpu)
     return [check_devices(device, rank, sample), check_thermal(sample, rank), check_precision(device, dtype, rank),
             *check_directory(run_dir, rank, needed_bytes, probe_bytes)]

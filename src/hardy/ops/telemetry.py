@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,14 @@ def open_gpu_sensors(device_index: int | None, uuid: str | None = None, nvml=Non
     except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no sensors
         log.warning("telemetry: NVML did not start (%s): no GPU sensors", e)
         return None
+
+
+def device_sensors(device) -> GpuSensors | None:
+    """NVML for a torch device (None on CPU): found by UUID, so CUDA_VISIBLE_DEVICES cannot mislead it."""
+    if device.type != "cuda":
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return open_gpu_sensors(device.index or 0, f"GPU-{uuid}" if uuid else None)
 
 
 def take_sample(run_dir: Path, gpu: GpuSensors | None) -> dict:

@@ -31,7 +31,7 @@ from hardy.model.config import count_parameters, flops_per_token
 from hardy.model.llama import meta_transformer
 from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
 from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
-from hardy.ops.telemetry import TelemetrySampler, Thresholds, open_gpu_sensors
+from hardy.ops.telemetry import TelemetrySampler, Thresholds, device_sensors
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import grad_sq_norm, scale_grads
@@ -363,9 +363,7 @@ class Trainer:
         h = self.cfg.health
         if not h.telemetry_interval_s:
             return
-        device = self.env.device
-        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None
-        gpu = open_gpu_sensors(device.index if device.type == "cuda" else None, f"GPU-{uuid}" if uuid else None)
+        gpu = device_sensors(self.env.device)
         limits = Thresholds(h.warn_gpu_temp_c, h.warn_cpu_temp_c, h.warn_swap_growth_mib, h.warn_disk_free_gib)
 
         def emit(sample: dict, warnings: list[str]) -> None:
