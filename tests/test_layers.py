@@ -124,3 +124,19 @@ def test_the_reason_checker_tells_a_bare_import_from_an_explained_one(tmp_path):
                                    "    import json\n    import csv\n\n\ndef h():\n    import csv  # optional\n")
     assert function_level_imports(tmp_path) == [("m.py", 2, False), ("m.py", 7, True), ("m.py", 8, True),
                                                 ("m.py", 12, True)]
+
+
+def test_one_dtype_map_and_one_cpuinfo_reader():
+    """hardy.devices holds the dtype-name map and the /proc/cpuinfo reader; nothing else builds its own."""
+    dtype_maps, cpuinfo_readers = [], []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = str(path.relative_to(SRC))
+        text = path.read_text()
+        if "/proc/cpuinfo" in text.replace('"""/proc/cpuinfo', ""):
+            cpuinfo_readers.append(rel)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Dict) and {"fp32", "bf16"} <= {k.value for k in node.keys
+                                                                   if isinstance(k, ast.Constant)}:
+                if any(isinstance(v, ast.Attribute) and v.attr == "bfloat16" for v in node.values):
+                    dtype_maps.append(rel)
+    assert dtype_maps == ["devices.py"] and cpuinfo_readers == ["devices.py"], (dtype_maps, cpuinfo_readers)
