@@ -114,7 +114,8 @@ class SlurmJob:
         # creates it when it writes RUN_DIR/sbatch.sh)
         lines += [f"#SBATCH --output={self.run_dir}/slurm-%j.out", "", "set -euo pipefail",
                   "# the rendezvous runs on the job's first node, at an address the other nodes can reach",
-                  'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                  "# awk, not head: it reads the whole list, so pipefail sees no SIGPIPE on a long one",
+                  'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')',
                   'head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk \'{print $1}\')',
                   'case "$head_addr" in',
                   "  127.*|::1|\"\")  # /etc/hosts may map the name to loopback: use the node's first real address",
