@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from hardy.errors import HardyError
+from hardy.fsio import write_bytes_atomic
+from hardy.ops.launch import Launch
 
 CHECK_BYTES = 16 << 20  # the all-reduce measured: big enough for bandwidth, quick on CPUs
 
@@ -69,7 +70,7 @@ def run(args) -> int:
                         + ("" if len(seen) == 1 else "; the ranks DIFFER: " + " | ".join(sorted(seen)))))
     print(render(rows, env.world_size))
     if args.json:
-        Path(args.json).write_text(json.dumps(D.as_dicts(rows), indent=2))
+        write_bytes_atomic(Path(args.json), json.dumps(D.as_dicts(rows), indent=2).encode())
     failed = [r for r in rows if r.status == D.FAIL]
     if failed:
         print(f"hardy doctor: {len(failed)} check(s) failed: {', '.join(sorted({r.name for r in failed}))}",
@@ -79,7 +80,7 @@ def run(args) -> int:
 
 
 def render(rows, world: int) -> str:
-    """One line per check (per rank where ranks differ in it): check, rank, status, detail."""
+    """One line per check, and per rank for the checks every rank runs: check, rank, status, detail."""
     width = max(len(r.name) for r in rows)
     lines = [f"hardy doctor: {world} rank(s)", f"{'check'.ljust(width)}  rank  status  detail"]
     for r in rows:
@@ -92,18 +93,16 @@ def _spawn(args) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    if args.nproc < 1:
-        raise HardyError(f"--nproc must be >= 1 (got {args.nproc})")
     forwarded = ["doctor", *([args.config] if args.config else [])]
     for item in args.set:
         forwarded += ["--set", item]
     for flag, value in (("--run-dir", args.run_dir), ("--hardware", args.hardware), ("--json", args.json)):
         if value:
             forwarded += [flag, value]
+    torchrun_args = get_args_parser().parse_args(Launch(args.nproc).torchrun_args(forwarded))  # checks --nproc
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        torchrun(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(args.nproc), "--module",
-                                               "hardy", *forwarded]))
+        torchrun(torchrun_args)
     except Exception as e:  # noqa: BLE001 - torchrun's ChildFailedError: the table already said why
         print(f"hardy: error: doctor failed: {type(e).__name__}", file=sys.stderr)
         return 1

@@ -2,8 +2,8 @@
 
 Spec: comma-separated `KIND@STEP[@rankR]`, KIND one of kill, kill_in_ckpt, nan, spike, hang,
 corrupt_ckpt; and `slow@rankR:Fx[@A-B]`, a rank whose every step (or steps A to B) takes F times
-its compute, burnt as real work (a throttled or sick device), for straggler detection. Random failures: `random_kill_rate` = probability that a step ends in a SIGKILL,
-drawn from `random_seed` and the step number (the same run fails at the same steps every time).
+its compute, burnt as real work (a throttled or sick device), for straggler detection. Random
+failures: `random_kill_rate` = probability that a step ends in a SIGKILL, drawn from `random_seed` and the step number (the same run fails at the same steps every time).
 
 A fault that fired is recorded in RUN_DIR/faults_fired.json (fsynced before it acts), so a
 restarted run replaying the same step does not fail again — as with a real, transient fault.

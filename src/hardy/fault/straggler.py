@@ -62,7 +62,7 @@ def describe_telemetry(values: list[float]) -> str:
 
 class StragglerMonitor:
     """Step hooks (hardy.train.hooks.StepHooks). `telemetry()` returns this rank's newest sample or
-    None; `report(event, fields, line)` logs on the main rank (the others pass a no-op)."""
+    None; `report(event, fields, line)` is called on every rank (the trainer logs rank 0's)."""
 
     def __init__(self, every: int, factor: float, stop_after: int, device: torch.device, telemetry, report):
         self.every, self.factor, self.stop_after = every, factor, stop_after

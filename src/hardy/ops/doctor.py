@@ -38,10 +38,9 @@ class Check:
 def check_devices(device: torch.device, rank: int, sample: dict) -> Check:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        bad = [k for k in ("ecc_uncorrected",) if sample.get(k)]
-        status = FAIL if bad else PASS
-        return Check("device", status, f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
-                     + (f"; uncorrected ECC errors: {sample['ecc_uncorrected']}" if bad else ""), rank)
+        ecc = sample.get("ecc_uncorrected")  # None where the GPU has no ECC
+        return Check("device", FAIL if ecc else PASS, f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+                     + (f"; uncorrected ECC errors: {ecc}" if ecc else ""), rank)
     vm = psutil.virtual_memory()
     status = WARN if vm.available < 2 * 2**30 else PASS
     return Check("device", status, f"CPU, {os.cpu_count()} logical cores, {vm.available / 2**30:.1f} of "
@@ -84,13 +83,14 @@ def check_precision(device: torch.device, dtype: str, rank: int) -> Check:
 def check_directory(run_dir: Path, rank: int, needed_bytes: float, probe_bytes: int) -> list[Check]:
     """Writable (a file written, fsynced, renamed and removed), free space against the job's
     checkpoints, and the write bandwidth a checkpoint will see."""
+    mib = max(1, probe_bytes >> 20)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / f".doctor-{rank}-{os.getpid()}.tmp"
         block = os.urandom(1 << 20)
         t0 = time.perf_counter()
         with open(tmp, "wb") as f:
-            for _ in range(max(1, probe_bytes >> 20)):
+            for _ in range(mib):
                 f.write(block)
             f.flush()
             os.fsync(f.fileno())
@@ -108,7 +108,7 @@ def check_directory(run_dir: Path, rank: int, needed_bytes: float, probe_bytes: 
     else:
         checks.append(Check("free space", WARN if free < 2 * needed_bytes else PASS,
                             f"{free / 2**30:.1f} GiB free, checkpoints need {needed_bytes / 2**30:.2f} GiB", rank))
-    rate = max(1, probe_bytes >> 20) * 2**20 / max(seconds, 1e-9)
+    rate = mib * 2**20 / max(seconds, 1e-9)
     checks.append(Check("write bandwidth", WARN if rate < 50e6 else PASS,
                         f"{rate / 1e6:,.0f} MB/s (fsynced); a checkpoint of {needed_bytes / 1e9:.2f} GB in "
                         f"~{needed_bytes / rate:.1f} s", rank))
