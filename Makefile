@@ -34,15 +34,10 @@ $(LLAMA_STAMP): $(STAMP)
 
 install: $(STAMP)
 
+# The main job (~3 minutes here): probe → plan → prepare → train on 2 processes through an injected
+# crash, NaN and hang → perplexity → int8/int4 compared → generate → runs/demo/report.html
 demo: install
-	$(BIN)/hardy info --model smollm2-135m
-	$(BIN)/hardy eval perplexity --model smollm2-135m --data wikitext2-test --ctx 512 --max-tokens 16384 --batch 4
-	$(BIN)/hardy generate --model smollm2-135m --chat --prompt "Explain in two sentences why large training runs need checkpoints." --max-new-tokens 80 --stats
-	# Train the tiny preset with FSDP2 on 2 processes; a rank is SIGKILLed at step 120 and the job recovers by itself.
-	rm -rf runs/demo-tiny
-	$(BIN)/hardy launch --nproc 2 --max-restarts 2 configs/tiny-cpu.toml --run-dir runs/demo-tiny \
-	  --set parallel.dp_shard=2 --set train.threads=1 --set log.every=20 --set 'fault.inject="kill@120"'
-	$(BIN)/hardy generate --model runs/demo-tiny --prompt "ROMEO:" --max-new-tokens 60 --temperature 0.8 --seed 1
+	$(BIN)/hardy demo --run-dir runs/demo
 
 # The only skips `make test` accepts (regular expressions on the skip reason, joined by |); any other
 # skip fails the run (tests/conftest.py), so a test that silently stops running cannot pass:

@@ -64,7 +64,7 @@ def main() -> None:
 
     import torch
 
-    from hardy.cli.compress import calibration_batch, calibration_windows
+    from hardy.compress.pipeline import calibration_batch, calibration_windows
     from hardy.compress.pipeline import CompressConfig, compress_model, parse_prune_layers
     from hardy.data.prepare import load_split
     from hardy.data.text import read_text

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hardy.cli.compress import calibration_batch
+from hardy.compress.pipeline import calibration_batch
 from hardy.compress.pipeline import CompressConfig, compress_model
 from hardy.data.text import read_text
 from hardy.eval.perplexity import perplexity

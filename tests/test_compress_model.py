@@ -30,7 +30,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def mini(mini_run):
-    from hardy.cli.compress import calibration_batch
+    from hardy.compress.pipeline import calibration_batch
 
     loaded = load_model(str(mini_run / "run"))
     tok = loaded.tokenizer

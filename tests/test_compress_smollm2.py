@@ -36,7 +36,7 @@ BLOCKS = (19, 29)
 
 @pytest.fixture(scope="module")
 def smol(smollm2):
-    from hardy.cli.compress import calibration_batch
+    from hardy.compress.pipeline import calibration_batch
     from hardy.data.text import read_text
 
     model, tok = smollm2.model, smollm2.tokenizer

@@ -33,7 +33,7 @@ def mini_hf(mini_run, tmp_path_factory):
 
 
 def _calib(mini_run, tokenizer):
-    from hardy.cli.compress import calibration_batch
+    from hardy.compress.pipeline import calibration_batch
 
     return calibration_batch(tokenizer, (mini_run / "train.txt").read_text(), 8, 64, seed=0)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "hardy"
 LEVEL = {"core": 0, "model": 1, "formats": 2, "data": 3, "ops": 3, "parallel": 4, "checkpoint": 4, "fault": 4,
-         "train": 5, "infer": 5, "compress": 5, "loading": 5, "eval": 6, "plan": 6, "serve": 6, "cli": 7}
+         "train": 5, "infer": 5, "compress": 5, "loading": 5, "eval": 6, "plan": 6, "serve": 6, "demo": 7, "cli": 8}
 
 
 def package_of(module: str) -> str | None:

@@ -8,8 +8,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from hardy.cli.common import add_model_args, load_from_args, requested_device
 from hardy.compress.qlinear import quantized_modules
 from hardy.compress.store import is_compressed_dir, save_compressed
@@ -50,23 +48,14 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
-    """`samples` windows of `seq` tokens at seeded random offsets of the tokenized text."""
-    return calibration_windows(torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long),
-                               samples, seq, seed)
-
-
-def calibration_windows(ids, samples: int, seq: int, seed: int):
-    """`samples` windows of `seq` tokens at seeded random offsets of a 1-D token tensor."""
-    if ids.numel() < seq + 1:
-        raise HardyError(f"calibration text has {ids.numel()} tokens; need more than --calib-seq {seq}")
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seq, (samples,), generator=gen)
-    return torch.stack([ids[s:s + seq] for s in starts.tolist()])
-
-
 def run(args) -> int:
-    from hardy.compress.pipeline import CompressConfig, compress_from_disk, compress_model, parse_prune_layers
+    from hardy.compress.pipeline import (
+        CompressConfig,
+        calibration_batch,
+        compress_from_disk,
+        compress_model,
+        parse_prune_layers,
+    )
     from hardy.data.text import read_text
 
     group = args.group_size if args.group_size is not None else (0 if args.bits == 8 else 128)

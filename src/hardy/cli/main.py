@@ -6,7 +6,7 @@ import logging
 import sys
 
 from hardy import __version__
-from hardy.cli import compress, data, doctor, export, generate, info, plan, probe, serve, train
+from hardy.cli import compress, data, demo, doctor, export, generate, info, plan, probe, serve, train
 from hardy.cli import eval as eval_cmd
 from hardy.cli.common import EXIT_USAGE, Parser
 from hardy.errors import HardyError
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hardy {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (info, generate, eval_cmd, compress, export, serve, data, train, plan, probe, doctor):
+    for module in (demo, info, generate, eval_cmd, compress, export, serve, data, train, plan, probe, doctor):
         module.register(sub)
     return parser
 

@@ -30,6 +30,8 @@ def register(sub) -> None:
     lp.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure")
     lp.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     lp.add_argument("--run-dir", default=None)
+    lp.add_argument("--log-dir", default=None, help="write each process's output to files under this directory "
+                                                   "(ATTEMPT/RANK/stdout.log, stderr.log) instead of the console")
     nodes = lp.add_argument_group("several nodes (torchrun's c10d rendezvous; run the same command on every node)")
     nodes.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                        help="nodes in the job; MIN:MAX lets it continue with fewer after a node is lost")
@@ -78,7 +80,8 @@ def run_launch(args) -> int:
     cfg = load_config(args.config, args.set)  # validate before starting any process
     run_dir = args.run_dir or str(default_run_dir(args.config))
     launch = Launch(args.nproc, args.max_restarts, args.nnodes, args.rdzv_endpoint,
-                    args.rdzv_id or Path(run_dir).name, node_rank_of(args.node_rank, args.nnodes, os.environ))
+                    args.rdzv_id or Path(run_dir).name, node_rank_of(args.node_rank, args.nnodes, os.environ),
+                    args.log_dir)
     train_args = ["train", args.config, "--run-dir", run_dir]
     for item in args.set:
         train_args += ["--set", item]

@@ -416,3 +416,17 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
                 state[name] = weights.get(name)
     return CompressResult(quantized=quantized, state=state, reports=reports)
 
+
+def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
+    """`samples` windows of `seq` tokens at seeded random offsets of the tokenized text."""
+    return calibration_windows(torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long),
+                               samples, seq, seed)
+
+
+def calibration_windows(ids, samples: int, seq: int, seed: int):
+    """`samples` windows of `seq` tokens at seeded random offsets of a 1-D token tensor."""
+    if ids.numel() < seq + 1:
+        raise HardyError(f"calibration text has {ids.numel()} tokens; need more than --calib-seq {seq}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq, (samples,), generator=gen)
+    return torch.stack([ids[s:s + seq] for s in starts.tolist()])

@@ -52,6 +52,7 @@ class Launch:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "hardy"
     node_rank: int | None = None  # 0 hosts the rendezvous store; None: torch decides from the endpoint's address
+    log_dir: str | None = None  # each worker's stdout and stderr go to files here (torchrun's layout), not the console
 
     def node_counts(self) -> tuple[int, int]:
         return parse_nnodes(self.nnodes) if self.nnodes else (1, 1)
@@ -63,6 +64,8 @@ class Launch:
         if self.max_restarts < 0:
             raise HardyError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
         common = ["--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts)]
+        if self.log_dir:
+            common += ["--log-dir", self.log_dir, "--redirects", "3"]
         if self.nnodes is None:
             if self.rdzv_endpoint or self.node_rank is not None:
                 raise HardyError("--rdzv-endpoint and --node-rank go with --nnodes (several nodes)")

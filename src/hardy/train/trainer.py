@@ -355,7 +355,8 @@ class Trainer:
         if event == "telemetry":
             if self._telemetry_file is None:
                 self._telemetry_file = open(self.run_dir / f"telemetry_rank{self.env.rank}.jsonl", "a", buffering=1)
-            self._telemetry_file.write(json.dumps({"event": event, "step": self.step, **fields}) + "\n")
+            self._telemetry_file.write(json.dumps({"event": event, "time": time.time(), "step": self.step,
+                                                  **fields}) + "\n")
         if event == "health_warning":  # its own sensors: only this rank knows (straggler reports are rank 0's)
             log.warning("%s", line)
 
