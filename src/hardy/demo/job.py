@@ -182,7 +182,7 @@ class Demo:
             "[data]", f'path = "{(self.run_dir / "data").resolve()}"', f"seq_len = {o.seq}",
             "[train]", f"steps = {o.steps}", "seed = 1234", f"micro_batch = {o.micro_batch}", "threads = 1",
             "[optim]", "lr = 3e-3", f"warmup_steps = {max(1, o.steps // 16)}",
-            "[parallel]", f"dp_shard = {o.nproc}",
+            "[parallel]", f"dp_shard = {o.nproc}", 'backend = "gloo"',  # this machine's CPUs, GPU or not
             "[checkpoint]", f"interval = {self.results['plan']['interval_used']}", "keep = 2",
             "[fault]", f'inject = "{self.faults()}"', f"hang_timeout_s = {o.hang_timeout_s}",
             "[health]", "telemetry_interval_s = 2",
