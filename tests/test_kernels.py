@@ -217,3 +217,33 @@ def test_fused_decode_block_matches_the_modules(ext, int4_and_int8_models, bits)
     finally:
         model._fused_decode = saved
     assert fast == slow
+
+
+def test_fused_decode_follows_new_caches_and_frees_cleared_ones(ext, int4_and_int8_models):
+    """decode_hidden remembers the last caches' K/V views (a per-step check cost ~0.4 ms at SmolLM2's
+    depth): a new cache must be used, not the remembered one, and a cleared one must be freed."""
+    import gc
+    import weakref
+
+    from hardy.infer.fused_decode import decode_hidden
+
+    model = int4_and_int8_models["4"]
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model.setup_kv_cache(1, 16)
+        model.hidden_states(prompt[:, :8], 0)
+        decode_hidden(model, prompt[:, 8:], 8)
+        old = weakref.ref(model.layers[0].attention.kv_cache.k)
+        model.clear_kv_cache()
+        gc.collect()
+        assert old() is None  # the memo holds no strong reference to a cleared cache
+        results = []
+        for path in ("fused", "modules"):
+            model.setup_kv_cache(1, 24)  # new caches, another length: a stale view would be written and read
+            try:
+                model.hidden_states(prompt[:, :8], 0)
+                step = decode_hidden if path == "fused" else model.hidden_states
+                results.append(step(model, prompt[:, 8:], 8) if path == "fused" else step(prompt[:, 8:], 8))
+            finally:
+                model.clear_kv_cache()
+    assert (results[0] - results[1]).norm() / results[1].norm() < 1e-3

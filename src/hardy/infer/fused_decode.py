@@ -9,6 +9,8 @@ engine use, and tests/test_kernels.py checks the two paths agree.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hardy.compress.kernels import kernel_group, kernel_tensors, load
@@ -52,20 +54,45 @@ def fused_blocks(model) -> tuple | None:
     return fused
 
 
+def _fused_caches(model, caches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The K and V tensors of `caches` when the fused step can write them all (float32, on the CPU),
+    else None. Remembered (weakly: a cleared cache's memory is freed) for the last set of cache
+    objects, which a generation or a serving engine reuses for every step: checking 2 x n_layers
+    buffers through nn.Module attribute lookups each step cost more than the embedding, norm and
+    argmax together."""
+    memo = model.__dict__.get("_fused_caches_memo")
+    if memo is not None and len(memo[0]) == len(caches) and all(a() is b for a, b in zip(memo[0], caches)):
+        if memo[1] is None:
+            return None
+        keys, values = [r() for r in memo[1]], [r() for r in memo[2]]
+        if all(t is not None for t in keys) and all(t is not None for t in values):
+            return keys, values
+    if not all(c is not None for c in caches):
+        model.__dict__.pop("_fused_caches_memo", None)
+        return None
+    keys, values = [c.k for c in caches], [c.v for c in caches]
+    fits = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in keys + values)
+    model.__dict__["_fused_caches_memo"] = ([weakref.ref(c) for c in caches],
+                                            [weakref.ref(t) for t in keys] if fits else None,
+                                            [weakref.ref(t) for t in values] if fits else None)
+    return (keys, values) if fits else None
+
+
 def decode_hidden(model, tokens: torch.Tensor, start_pos: int | torch.Tensor) -> torch.Tensor:
     """Final normalized hidden states [B, 1, dim] for one new token per row (tokens [B, 1] at
     `start_pos`: an int for all rows, or a [B] tensor), with the KV cache set up: the fused blocks
     where they apply, else the modules."""
     fused = fused_blocks(model)
-    caches = [layer.attention.kv_cache for layer in model.layers]
-    positions = (start_pos if isinstance(start_pos, torch.Tensor)
-                 else torch.full((tokens.shape[0],), start_pos, dtype=torch.long))
-    if (fused is None or tokens.shape[1] != 1
-            or any(c is None or c.k.dtype != torch.float32 or c.k.device.type != "cpu" for c in caches)
-            or int(positions.max()) >= min(model._rope_len, caches[0].k.shape[2])
+    if fused is None or tokens.shape[1] != 1:
+        return model.hidden_states(tokens, start_pos)
+    views = _fused_caches(model, [layer.attention.kv_cache for layer in model.layers])
+    if isinstance(start_pos, torch.Tensor):
+        positions, last = start_pos, int(start_pos.max())
+    else:
+        positions, last = torch.full((tokens.shape[0],), start_pos, dtype=torch.long), start_pos
+    if (views is None or last >= min(model._rope_len, views[0][0].shape[2])
             or not (model.rope_cos.dtype == torch.float32 and model.rope_cos.is_contiguous())):
         return model.hidden_states(tokens, start_pos)
     x = model.tok_embeddings(tokens)[:, 0].float().contiguous()
-    x = fused(x, positions.to(torch.long).contiguous(), model.rope_cos, model.rope_sin, [c.k for c in caches],
-              [c.v for c in caches])
+    x = fused(x, positions.to(torch.long).contiguous(), model.rope_cos, model.rope_sin, views[0], views[1])
     return model.norm(x)[:, None]
