@@ -4,6 +4,7 @@ server down), a full queue answers 503 with Retry-After, SIGTERM drains running 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -132,6 +133,14 @@ def test_models_endpoint(served):
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, "invalid_request_error"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, None, 400, "invalid_request_error"),
     ("/v1/embeddings", {"input": "x"}, None, 404, "not_found"),
+    ("/v1/rerank", {"query": "x"}, None, 400, "invalid_request_error"),
+    ("/v1/rerank", {"query": "x", "documents": []}, None, 400, "invalid_request_error"),
+    ("/v1/rerank", {"query": "", "documents": ["a"]}, None, 400, "invalid_request_error"),
+    ("/v1/rerank", {"query": "x", "documents": [1]}, None, 400, "invalid_request_error"),
+    ("/v1/rerank", {"query": "x", "documents": [{"txt": "a"}]}, None, 400, "invalid_request_error"),
+    ("/v1/rerank", {"query": "x", "documents": ["a"], "top_n": 0}, None, 400, "invalid_request_error"),
+    ("/v1/rerank", {"query": "x", "documents": ["a"], "model": "gpt-4"}, None, 404, "model_not_found"),
+    ("/v1/rerank", {"query": "KING " * 300, "documents": ["a"]}, None, 400, "invalid_request_error"),
 ])
 def test_malformed_requests_get_4xx_json_and_the_server_lives(served, path, body, raw, status, code):
     got, headers, payload = served.request("POST", path, body, raw=raw)
@@ -139,6 +148,62 @@ def test_malformed_requests_get_4xx_json_and_the_server_lives(served, path, body
     assert got == status and error["code"] == code and error["message"], (got, error)
     assert headers["Content-Type"] == "application/json"
     assert served.json("GET", "/health")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def rerank_reference(mini_run):
+    from hardy.infer.rerank import QLMScorer
+
+    loaded = load_model(str(mini_run / "run"))
+    scorer = QLMScorer(loaded.model, loaded.tokenizer)
+
+    def scores(query: str, documents: list[str]) -> list[float]:  # the API's relevance_score
+        n = len(scorer.rows(query, documents)[2])
+        return [math.exp(s / n) for s in scorer.score(query, documents)]
+
+    return scores
+
+
+DOCS = ["Now is the winter of our discontent made glorious summer by this sun of York",
+        "My lord, I have news", "To be or not to be", "The winter wind blows cold", "Good night, sweet prince"]
+
+
+def assert_rerank_answers(served, rerank_reference, query: str, top_n: int | None = None, tol: float = 1e-4):
+    body = {"model": "mini", "query": query, "documents": DOCS[:3] + [{"text": d} for d in DOCS[3:]]}
+    if top_n:
+        body["top_n"] = top_n
+    status, _, answer = served.json("POST", "/v1/rerank", body)
+    assert status == 200, answer
+    expected = rerank_reference(query, DOCS)
+    order = sorted(range(len(DOCS)), key=lambda i: -expected[i])[:top_n or len(DOCS)]
+    assert [r["index"] for r in answer["results"]] == order
+    for r in answer["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], rel=tol)
+        assert r["document"]["text"] == DOCS[r["index"]]
+    assert answer["usage"]["total_tokens"] > len(DOCS) and answer["model"] == "mini"
+
+
+def test_rerank_scores_beside_running_generations(served, reference, rerank_reference):
+    """POST /v1/rerank while generations decode: each answer is the in-process scorer's, best first,
+    and the generations still get exactly their greedy answers (scoring passes leave the KV cache alone)."""
+    errors = []
+
+    def rerank_client(query, top_n):
+        try:
+            assert_rerank_answers(served, rerank_reference, query, top_n)
+        except AssertionError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rerank_client, args=(q, n)) for q, n in
+               (("winter of discontent", None), ("a prince", 2), ("news for my lord", 1))]
+    for t in threads:
+        t.start()
+    assert_concurrent_clients_get_their_greedy_answers(served, reference)
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    status, _, bare = served.json("POST", "/v1/rerank", {"query": "winter", "documents": DOCS, "return_documents": False})
+    assert status == 200 and bare["results"] and all("document" not in r for r in bare["results"])
 
 
 def test_unknown_fields_are_ignored_as_openai_does(served, reference):
@@ -194,13 +259,14 @@ def sigterm_drains_a_running_request(s: Served) -> None:
     s.stop()
 
 
-def test_tp2_server_starts_its_workers_batches_and_drains(mini_run, reference):
+def test_tp2_server_starts_its_workers_batches_and_drains(mini_run, reference, rerank_reference):
     """`serve --tp 2` starts two torchrun workers itself; rank 0 serves, rank 1 follows every forward."""
     s = Served(str(mini_run / "run"), "--tp", "2", "--threads", "2", "--max-batch", "4", "--max-tokens", "200",
                "--name", "mini", "--drain-timeout", "30")
     try:
         assert s.json("GET", "/health")[2]["processes"] == 2
         assert_concurrent_clients_get_their_greedy_answers(s, reference)
+        assert_rerank_answers(s, rerank_reference, "winter of discontent", 3, tol=1e-3)  # a SCORE pass on both ranks
     except BaseException:
         s.stop()
         raise

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from hardy.cli.common import Parser, add_device_arg, add_gguf_arg, add_model_args, load_from_args
+from hardy.cli.eval_rank import register_rank
 from hardy.devices import resolve_device
 from hardy.errors import HardyError
 from hardy.loading.load import is_quantized_source, load_model, set_threads
@@ -25,6 +26,7 @@ def register(sub) -> None:
     pp.add_argument("--no-progress", action="store_true")
     pp.set_defaults(func=run_perplexity)
     register_compare(tasks)
+    register_rank(tasks)
 
 
 def run_perplexity(args) -> int:

@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP API over the engine, on FastAPI (served by uvicorn, serve/transport.py):
-POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), POST /v1/rerank
+(serve/rerank.py), GET /v1/models,
 GET /health, GET /metrics (Prometheus), GET /openapi.json.
 
 Every client mistake is a 4xx with OpenAI's error body, and none reaches the engine: malformed JSON
@@ -22,11 +23,12 @@ from starlette.exceptions import HTTPException
 
 from hardy.errors import HardyError
 from hardy.infer.generate import SamplingConfig
-from hardy.serve.engine import Engine, EngineFailed, QueueFull, Request, ShuttingDown
+from hardy.serve.engine import Engine, Request
 from hardy.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from hardy.serve.rerank import Reranker
 from hardy.serve.schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
-                                 ErrorResponse, Health, ModelList)
-from hardy.serve.transport import BodyGuard, error_payload
+                                 ErrorResponse, Health, ModelList, RerankRequest, RerankResponse)
+from hardy.serve.transport import ApiError, AsyncEvents, BodyGuard, error_payload, submit_to_engine
 
 MAX_BODY = 1 << 20
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
@@ -34,13 +36,6 @@ ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 50
 # each server-sent event: `data: <a JSON chunk>` ... then `data: [DONE]`
 STREAMED = {200: {"content": {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}}}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
 
 
 def _error_response(status: int, message: str, code: str, param: str | None = None,
@@ -75,22 +70,6 @@ class StopScanner:
             return ""
         out, self.sent = self.text[self.sent:], len(self.text)
         return out
-
-
-class AsyncEvents:
-    """A request's event queue as the engine thread sees it (`put`) and as the event loop reads it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop has closed: nobody is waiting any more
-            pass
-
-    async def get(self):
-        return await self.queue.get()
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int, *,
@@ -142,6 +121,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int
               include_in_schema=bool(getattr(tokenizer, "chat_template", None)))
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest):
         return await api.serve(body, request, chat=True)
+
+    reranker = Reranker(engine, tokenizer, model_name)
+    rerank_ids = iter(range(1, 1 << 62))
+
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=ERRORS, response_model_exclude_none=True)
+    async def rerank(body: RerankRequest):
+        return await reranker.rerank(body, f"rerank-{next(rerank_ids)}")
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
@@ -223,14 +209,7 @@ class _Api:
     async def serve(self, body, http: HttpRequest, chat: bool):
         arrived = time.monotonic()
         request = self._make_request(body, chat)
-        try:
-            self.engine.submit(request)
-        except QueueFull:
-            raise ApiError(503, "the request queue is full; retry shortly", "queue_full", retry_after=1) from None
-        except ShuttingDown:
-            raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=5) from None
-        except EngineFailed as e:
-            raise ApiError(503, f"the engine has failed: {e}", "engine_failed") from None
+        submit_to_engine(self.engine, request)
         self.metrics.prompt_tokens.inc(len(request.prompt))
         if body.stream:
             return StreamingResponse(self._stream(request, chat, arrived), media_type="text/event-stream",

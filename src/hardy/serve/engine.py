@@ -6,6 +6,10 @@ that slot, then every decode step feeds one token per active slot at that slot's
 (`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart). A request
 leaves at a stop token or its max_tokens and its slot takes the next waiting request.
 
+Scoring requests (`POST /v1/rerank`: candidate rows whose continuation's log-likelihood is wanted)
+need no cache slot: every iteration, all that wait are scored together in batches between two decode
+steps of the running generations, over the same weights.
+
 A forward pass that raises fails the requests it was for (their clients get a 500) and the engine
 serves on. Under `serve --tp` it cannot: the other ranks are left inside that pass's collectives, so
 the runner declares itself `fatal`, every request is failed and the engine stops (`failed` says why).
@@ -27,6 +31,7 @@ from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.generate import SamplingConfig, sample
+from hardy.infer.rerank import ScoreRow, score_rows, target_log_likelihood
 
 
 class QueueFull(Exception):
@@ -68,6 +73,17 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings (the API cuts the text; see cancel)
     cancelled: bool = False  # set by any thread; the engine thread frees the slot at its next step
+
+
+@dataclass
+class ScoreRequest:
+    """Rows whose target log-likelihood is wanted (one rerank request's candidates). Its events: one
+    ("scores", [float per row]) or ("error", reason)."""
+    rows: list[ScoreRow]
+    pad_id: int
+    id: int = field(default_factory=itertools.count().__next__)
+    events: "queue.Queue" = field(default_factory=queue.Queue)
+    created: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -121,6 +137,20 @@ class ModelRunner:
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         return self.model.output(decode_hidden(self.model, tokens, positions)[:, -1])
 
+    @torch.inference_mode()
+    def score_batch(self, tokens: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        """One batch of scoring rows (hardy.infer.rerank.batch_tensors), outside the KV cache: the
+        caches are detached for the pass, so no slot's keys and values are touched."""
+        for layer in self.model.layers:
+            layer.attention.kv_cache = None
+        try:
+            return target_log_likelihood(self.model, tokens.to(self.device), at.to(self.device),
+                                         targets.to(self.device), mask.to(self.device))
+        finally:
+            for layer, cache in zip(self.model.layers, self._caches):
+                layer.attention.kv_cache = cache
+
     def idle(self) -> None:
         """Called while nothing runs."""
 
@@ -130,10 +160,14 @@ class ModelRunner:
 
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
-                 runner: type[ModelRunner] = ModelRunner):
+                 runner: type[ModelRunner] = ModelRunner, score_batch: int = 16):
         self.max_batch = max_batch
+        self.score_batch = score_batch  # scoring rows per forward pass
         self.context = context_length(model, context)
         self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.scoring: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._wake = threading.Event()  # set on every submission: an idle engine starts at once
+        self.score_passes = 0
         self.slots: list[_Slot | None] = [None] * max_batch
         self.accepting = True
         self.largest_batch = 0  # the most requests decoded together so far (observable by tests)
@@ -150,8 +184,8 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ API (any thread)
-    def submit(self, request: Request) -> Request:
-        if request.sampling.seed is not None:
+    def submit(self, request: Request | ScoreRequest) -> Request | ScoreRequest:
+        if isinstance(request, Request) and request.sampling.seed is not None:
             request.generator = torch.Generator().manual_seed(request.sampling.seed)
         with self._admission:
             if self.failed:
@@ -159,9 +193,10 @@ class Engine:
             if not self.accepting:
                 raise ShuttingDown()
             try:
-                self.waiting.put_nowait(request)
+                (self.scoring if isinstance(request, ScoreRequest) else self.waiting).put_nowait(request)
             except queue.Full:
                 raise QueueFull() from None
+        self._wake.set()
         return request
 
     def cancel(self, request: Request) -> None:
@@ -170,7 +205,7 @@ class Engine:
 
     @property
     def busy(self) -> int:
-        return sum(s is not None for s in self.slots) + self.waiting.qsize()
+        return sum(s is not None for s in self.slots) + self.waiting.qsize() + self.scoring.qsize()
 
     def drain(self, timeout: float) -> bool:
         """Stop accepting; wait up to `timeout` s for queued and running requests. True if all finished."""
@@ -213,6 +248,31 @@ class Engine:
         if not self._emit(slot_index, token):
             self.slots[slot_index].last = token
 
+    def _score_waiting(self) -> None:
+        """Every waiting scoring request's rows, together in batches of `score_batch`."""
+        requests = []
+        while True:
+            try:
+                requests.append(self.scoring.get_nowait())
+            except queue.Empty:
+                break
+        if not requests:
+            return
+        rows = [row for r in requests for row in r.rows]
+        pad = requests[0].pad_id
+        try:
+            scores = score_rows(None, rows, self.score_batch, pad, run=self.runner.score_batch)
+        except Exception as e:
+            for r in requests:
+                r.events.put(("error", f"{type(e).__name__}: {e}"))
+            if self.runner.fatal:
+                raise
+            return
+        self.score_passes += -(-len(rows) // self.score_batch)
+        for r in requests:
+            r.events.put(("scores", scores[:len(r.rows)]))
+            scores = scores[len(r.rows):]
+
     def _decode_step(self) -> None:
         for i, s in enumerate(self.slots):
             if s is not None and s.request.cancelled:
@@ -250,11 +310,12 @@ class Engine:
             self.failed = self.failed or reason
             self.accepting = False
         self._fail_running(reason)
-        while True:
-            try:
-                self.waiting.get_nowait().events.put(("error", f"the engine stopped: {reason}"))
-            except queue.Empty:
-                break
+        for waiting in (self.waiting, self.scoring):
+            while True:
+                try:
+                    waiting.get_nowait().events.put(("error", f"the engine stopped: {reason}"))
+                except queue.Empty:
+                    break
         self._drained.set()
 
     def _fail_running(self, reason: str) -> None:
@@ -265,21 +326,19 @@ class Engine:
 
     def _serve_loop(self) -> None:
         while not self._stop.is_set():
-            if not self.accepting and self.waiting.empty() and not any(self.slots):
+            if not self.accepting and self.waiting.empty() and self.scoring.empty() and not any(self.slots):
                 self._drained.set()  # nothing queued, nothing held, and nothing more can arrive
             try:
+                self._score_waiting()
                 for i in range(self.max_batch):  # admit waiting requests into free slots
                     if self.slots[i] is None and not self.waiting.empty():
                         self._prefill(i, self.waiting.get_nowait())
                 if any(s is not None for s in self.slots):
                     self._decode_step()
-                else:
-                    try:
-                        req = self.waiting.get(timeout=0.05)
-                    except queue.Empty:
+                elif self.waiting.empty() and self.scoring.empty():
+                    if not self._wake.wait(0.05):
                         self.runner.idle()
-                        continue
-                    self._prefill(0, req)
+                    self._wake.clear()  # a submission after this is still seen: the queues are read next
             except Exception as e:  # a failing forward must not strand clients: fail what is running
                 reason = f"{type(e).__name__}: {e}"
                 if self.runner.fatal:

@@ -7,7 +7,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 disable_created_metrics()  # the *_created series only double what a scrape needs
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/rerank", "/v1/models", "/health", "/metrics", "/openapi.json")
 # Decode steps on a CPU take milliseconds to a second; first tokens wait for a prefill and a queue.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

@@ -133,6 +133,49 @@ class Health(BaseModel):
     processes: int
 
 
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: NonEmpty
+
+
+MAX_DOCUMENTS = 1000  # per rerank request: every candidate is a prefill
+
+
+class RerankRequest(BaseModel):
+    """The rerank schema of Cohere, Jina and vLLM: a query and candidate documents (strings, or
+    objects with "text"); the answer lists them best first."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    query: NonEmpty
+    documents: Annotated[list[Union[NonEmpty, RerankDocument]], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+    top_n: Optional[Count] = None
+    return_documents: Optional[StrictBool] = True
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class RerankResult(BaseModel):
+    index: int
+    # exp(mean log-probability of the query's tokens given the document): in (0, 1], higher is better,
+    # and the same document scores the same whatever else is in the request
+    relevance_score: float
+    document: Optional[RerankDocument] = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -2,7 +2,8 @@
 slice of the model and repeats each forward pass rank 0 makes, told what to run by a broadcast.
 
 Only forward passes cross processes: before each one, rank 0's engine thread broadcasts a header
-(what, which cache row / how many rows, prompt length) and then the token ids, so all ranks enter
+(what, which cache row / how many rows, prompt length / row width, scored tokens per row) and then
+the token ids (and, for a scoring pass, the scored positions, targets and mask), so all ranks enter
 the same collectives in the same order. Logits come out replicated and only rank 0 samples. While
 idle, rank 0 sends a keep-alive now and then, so the followers' waiting broadcast never reaches
 the process group's timeout. The followers ignore SIGTERM/SIGINT: rank 0 drains and then tells
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from hardy.serve.engine import ModelRunner
 
-PREFILL, DECODE, KEEPALIVE, STOP = range(4)
+PREFILL, DECODE, KEEPALIVE, STOP, SCORE = range(5)
 KEEPALIVE_S = 10.0  # far below the process group's timeout (hardy.parallel.distributed: 600 s)
 
 
@@ -35,10 +36,12 @@ class LeaderRunner(ModelRunner):
         self.processes = dist.get_world_size()
         self._last = time.monotonic()
 
-    def _announce(self, op: int, a: int = 0, b: int = 0, payload: torch.Tensor | None = None) -> None:
-        dist.broadcast(torch.tensor([op, a, b], dtype=torch.long), src=0)
-        if payload is not None:
-            dist.broadcast(payload.contiguous(), src=0)
+    def _announce(self, op: int, a: int = 0, b: int = 0, payload: torch.Tensor | None = None, c: int = 0,
+                  extra: torch.Tensor | None = None) -> None:
+        dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.long), src=0)
+        for tensor in (payload, extra):
+            if tensor is not None:
+                dist.broadcast(tensor.contiguous(), src=0)
         self._last = time.monotonic()
 
     def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,16 @@ class LeaderRunner(ModelRunner):
         try:
             self._announce(DECODE, tokens.shape[0], 0, torch.cat([tokens[:, 0], positions]))
             return super().decode(tokens, positions)
+        except Exception:
+            self.fatal = True
+            raise
+
+    def score_batch(self, tokens: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        try:
+            self._announce(SCORE, tokens.shape[0], tokens.shape[1], tokens, at.shape[1],
+                           torch.stack([at, targets, mask.long()]))
+            return super().score_batch(tokens, at, targets, mask)
         except Exception:
             self.fatal = True
             raise
@@ -76,9 +89,9 @@ def follow(model, max_batch: int, context: int) -> bool:
     runner._faults = set()  # injected faults (HARDY_SERVE_FAULT) are rank 0's
     try:
         while True:
-            header = torch.empty(3, dtype=torch.long)
+            header = torch.empty(4, dtype=torch.long)
             dist.broadcast(header, src=0)
-            op, a, b = header.tolist()
+            op, a, b, c = header.tolist()
             if op == PREFILL:
                 prompt = torch.empty(1, b, dtype=torch.long)
                 dist.broadcast(prompt, src=0)
@@ -87,6 +100,11 @@ def follow(model, max_batch: int, context: int) -> bool:
                 flat = torch.empty(2 * a, dtype=torch.long)
                 dist.broadcast(flat, src=0)
                 runner.decode(flat[:a, None], flat[a:])
+            elif op == SCORE:
+                tokens, extra = torch.empty(a, b, dtype=torch.long), torch.empty(3, a, c, dtype=torch.long)
+                dist.broadcast(tokens, src=0)
+                dist.broadcast(extra, src=0)
+                runner.score_batch(tokens, extra[0], extra[1], extra[2].bool())
             elif op == STOP:
                 return True
     except RuntimeError:  # gloo: "Connection closed by peer" and the like

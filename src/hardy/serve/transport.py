@@ -24,6 +24,45 @@ import uvicorn
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from hardy.serve.engine import EngineFailed, QueueFull, ShuttingDown
+
+
+class ApiError(Exception):
+    """A request answered with an error body (error_payload) instead of a result."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
+
+
+class AsyncEvents:
+    """A request's event queue as the engine thread sees it (`put`) and as the event loop reads it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
+
+    async def get(self):
+        return await self.queue.get()
+
+
+def submit_to_engine(engine, request) -> None:
+    """Hand a request to the engine, or answer 503 (with Retry-After where a retry can succeed)."""
+    try:
+        engine.submit(request)
+    except QueueFull:
+        raise ApiError(503, "the request queue is full; retry shortly", "queue_full", retry_after=1) from None
+    except ShuttingDown:
+        raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=5) from None
+    except EngineFailed as e:
+        raise ApiError(503, f"the engine has failed: {e}", "engine_failed") from None
+
 
 def error_payload(status: int, message: str, code: str, param: str | None = None) -> dict:
     """OpenAI's error body: every error hardy's server sends has this shape."""
