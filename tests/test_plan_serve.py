@@ -221,3 +221,60 @@ def test_cli_plans_a_quantized_gguf_as_the_file_holds_it(smollm2_path):
     assert "Q4_1" in layout.types and "Q8_0" in layout.types  # the shipped file's mix
     bad = run_hardy("plan", "serve", "--model", "llama3.1-8b", "--hardware", "xeon-spr", "--quant", "file")
     assert bad.returncode == 2 and "not a GGUF file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_rerank_flops_match_a_counted_forward_of_the_scoring_pass():
+    """The planner's FLOPs per query against torch's FlopCounterMode on the real scoring pass (micro
+    model, 6 candidates of 40 + 8 tokens): matmuls, attention and the head at the query positions."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hardy.infer.rerank import ScoreRow, batch_tensors, target_log_likelihood
+    from hardy.model.config import get_preset
+    from hardy.model.llama import build_model
+    from hardy.plan.rerank import plan_rerank
+
+    cfg = get_preset("micro")
+    model = build_model(cfg, seed=0).eval()
+    k, passage, query = 6, 40, 8
+    rows = [ScoreRow(list(range(1, passage + query + 1)), passage, list(range(passage + 1, passage + query + 1)))
+            for _ in range(k)]
+    # the math backend computes attention as counted matmuls (the fused CPU kernel has no FLOP rule)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        target_log_likelihood(model, *batch_tensors(rows, 0))
+    plan = plan_rerank(cfg, hw(), quant="fp32", candidates=k, passage_tokens=passage, query_tokens=query,
+                       template_tokens=0, rerank_batch=k)
+    # torch counts attention over the full n x n scores; the plan counts the causal half it needs
+    n = passage + query
+    full_attention_extra = k * 4 * cfg.n_layers * cfg.n_heads * cfg.d_head * (n * n - n * (n + 1) / 2)
+    assert plan.flops_per_query_per_device == pytest.approx(counter.get_total_flops() - full_attention_extra, rel=1e-6)
+
+
+def test_rerank_plan_scales_with_candidates_and_prices_queries():
+    from hardy.plan.rerank import plan_rerank
+
+    one = plan_rerank(SMOL, hw(op_overhead_us=0.0), quant="bf16", candidates=10, passage_tokens=100, rerank_batch=10)
+    two = plan_rerank(SMOL, hw(op_overhead_us=0.0), quant="bf16", candidates=20, passage_tokens=100, rerank_batch=10)
+    assert one.bound == "compute" and two.passes_per_query == 2
+    assert two.latency_s == pytest.approx(2 * one.latency_s, rel=1e-9)  # compute-bound: linear in candidates
+    assert one.cost_per_million_queries == pytest.approx(2.0 / 3600 * one.latency_s * 1e6)
+    assert one.queries_per_s == pytest.approx(1 / one.latency_s)
+    tp = plan_rerank(L8B, hw(), quant="bf16", devices=2, candidates=20, passage_tokens=100)
+    assert tp.allreduce_s > 0 and tp.weight_bytes_per_device < weight_bytes(L8B, "bf16")
+    with pytest.raises(HardyError, match="exceeds"):
+        plan_rerank(SMOL, hw(), quant="bf16", passage_tokens=SMOL.max_seq_len)
+    with pytest.raises(HardyError, match="--candidates must be >= 1"):
+        plan_rerank(SMOL, hw(), quant="bf16", candidates=0)
+
+
+def test_cli_rerank_workload(catalogue):
+    proc = run_hardy("plan", "serve", "--model", "smollm2-135m", "--hardware", "h100-sxm", "--quant", "bf16",
+                     "--workload", "rerank", "--candidates", "20", "--passage-tokens", "110", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["candidates"] == 20 and plan["row_tokens"] == 110 + plan["template_tokens"] + plan["query_tokens"]
+    assert plan["cost_per_million_queries"] > 0 and plan["queries_per_s"] > 0
+    bad = run_hardy("plan", "serve", "--model", "smollm2-135m", "--hardware", "h100-sxm", "--workload", "rerank",
+                    "--candidates", "0")
+    assert bad.returncode == 2 and "--candidates must be >= 1" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,6 +11,7 @@ from hardy.cli.common import Parser
 from hardy.errors import HardyError
 from hardy.loading.load import config_for, is_quantized_source, resolve_source
 from hardy.plan.hardware import get_hardware
+from hardy.plan.rerank import QUERY_TOKENS, TEMPLATE_TOKENS, plan_rerank
 from hardy.plan.serve import FILE, KV_DTYPES, QUANTS, plan_serve
 from hardy.plan.weights import layout_from_gguf
 
@@ -47,6 +48,15 @@ def register_serve(group) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--batch", type=int, default=None, help="concurrent sequences (default 1)")
     load.add_argument("--qps", type=float, default=None, help="requests/s to sustain: finds the batch")
+    p.add_argument("--workload", default="generate", choices=("generate", "rerank"),
+                   help="generate (default): prompts and output tokens; rerank: query-likelihood re-ranking "
+                        "of --candidates passages per query (hardy eval rank, POST /v1/rerank)")
+    p.add_argument("--candidates", type=int, default=20, help="rerank: candidates scored per query")
+    p.add_argument("--passage-tokens", type=int, default=128, help="rerank: tokens per candidate passage")
+    p.add_argument("--query-tokens", type=int, default=QUERY_TOKENS, help="rerank: tokens per query")
+    p.add_argument("--template-tokens", type=int, default=TEMPLATE_TOKENS,
+                   help="rerank: prompt tokens around each passage")
+    p.add_argument("--rerank-batch", type=int, default=20, help="rerank: candidate rows per forward pass")
     p.set_defaults(func=run_serve)
 
 
@@ -63,6 +73,12 @@ def run_serve(args) -> int:
         if kind != "gguf":
             raise HardyError(f"--quant file reads a .gguf file's tensor types; {args.model} is not a GGUF file")
         layout = layout_from_gguf(path)
+    if args.workload == "rerank":
+        plan = plan_rerank(config_for(args.model), hw, devices=args.devices, quant=quant, candidates=args.candidates,
+                           passage_tokens=args.passage_tokens, query_tokens=args.query_tokens,
+                           template_tokens=args.template_tokens, rerank_batch=args.rerank_batch, layout=layout)
+        _print(plan, args.json)
+        return 0
     plan = plan_serve(config_for(args.model), hw, devices=args.devices, quant=quant, context=args.context,
                       output_tokens=args.output_tokens, batch=args.batch, qps=args.qps,
                       prompt_tokens=args.prompt_tokens, kv_dtype=args.kv_dtype, layout=layout)

@@ -200,6 +200,26 @@ def compute_dtype_for(quant: str, hw: Hardware) -> str:
     return "fp32" if quant == "fp32" or not hw.fast_bf16 else "bf16"
 
 
+def stored_weights(model: ModelConfig, devices: int, quant: str,
+                   layout: WeightLayout | None) -> tuple[float, float, float, float, float, bool]:
+    """(bytes per weight, bytes per device, bytes in all, bytes a forward reads per device, bytes of
+    one embedding row, quantized?) for one format for all matrices, or a file's own `layout`."""
+    s = shard(model, devices)
+    if layout is None:
+        bpw = BYTES_PER_WEIGHT[quant]
+        w_read = (s.matmul + s.head) * bpw + s.norms * _norm_bytes(quant)  # the input embedding is a lookup
+        return (bpw, weight_bytes(model, quant, devices), weight_bytes(model, quant, 1), w_read, bpw * model.dim,
+                quant in ("int8", "int4"))
+    # the file's own bytes, split over devices as the planned shard splits the parameters
+    full = shard(model, 1)
+    matmul = layout.matmul_bytes * s.matmul / full.matmul
+    head = layout.head_bytes * s.head / full.head
+    embedding = layout.embedding_bytes * (s.embedding / full.embedding if full.embedding else 0.0)
+    bpw = (layout.matmul_bytes + layout.head_bytes) / (full.matmul + full.head)
+    return (bpw, matmul + head + embedding + layout.norm_bytes, layout.total, matmul + head + layout.norm_bytes,
+            layout.embedding_bytes / model.vocab_size, layout.quantized)
+
+
 def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = "fp16", context: int = 2048,
                output_tokens: int = 256, batch: int | None = None, qps: float | None = None,
                prompt_tokens: int | None = None, kv_dtype: str | None = None,
@@ -230,23 +250,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         raise HardyError(f"--qps must be > 0 (got {qps})")
 
     s = shard(model, devices)
-    if layout is None:
-        bpw = BYTES_PER_WEIGHT[quant]
-        w_dev = weight_bytes(model, quant, devices)
-        w_total = weight_bytes(model, quant, 1)
-        w_read = (s.matmul + s.head) * bpw + s.norms * _norm_bytes(quant)  # the input embedding is a lookup
-        row_bytes = bpw * model.dim
-        quantized = quant in ("int8", "int4")
-    else:  # the file's own bytes, split over devices as the planned shard splits the parameters
-        full = shard(model, 1)
-        matmul = layout.matmul_bytes * s.matmul / full.matmul
-        head = layout.head_bytes * s.head / full.head
-        embedding = layout.embedding_bytes * (s.embedding / full.embedding if full.embedding else 0.0)
-        bpw = (layout.matmul_bytes + layout.head_bytes) / (full.matmul + full.head)
-        w_dev, w_total = matmul + head + embedding + layout.norm_bytes, layout.total
-        w_read = matmul + head + layout.norm_bytes
-        row_bytes = layout.embedding_bytes / model.vocab_size
-        quantized = layout.quantized
+    bpw, w_dev, w_total, w_read, row_bytes, quantized = stored_weights(model, devices, quant, layout)
     compute = compute_dtype_for("fp32" if layout is not None and not hw.fast_bf16 else quant, hw)
     flops_rate = hw.achievable_flops(compute)
     bandwidth = hw.achievable_bandwidth()
