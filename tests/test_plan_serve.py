@@ -226,7 +226,6 @@ def test_cli_plans_a_quantized_gguf_as_the_file_holds_it(smollm2_path):
 def test_rerank_flops_match_a_counted_forward_of_the_scoring_pass():
     """The planner's FLOPs per query against torch's FlopCounterMode on the real scoring pass (micro
     model, 6 candidates of 40 + 8 tokens): matmuls, attention and the head at the query positions."""
-    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -89,6 +89,11 @@ def test_bundled_collection_is_deterministic_and_documented(tmp_path):
     assert back.meta["source_sha256"] == a.meta["source_sha256"] and manifest["judged_pairs"] == stats["judged_pairs"]
     for name, digest in manifest["sha256"].items():
         assert hashlib.sha256((tmp_path / "c" / name).read_bytes()).hexdigest() == digest
+    proc = hardy_main("data", "rank-collection", "--out", str(tmp_path / "cli"))  # a second, separate build
+    assert proc.returncode == 0 and "3204 passages, 270 queries" in proc.stdout
+    assert json.loads((tmp_path / "cli" / "collection.json").read_text())["sha256"] == manifest["sha256"]
+    again = hardy_main("data", "rank-collection", "--out", str(tmp_path / "cli"))
+    assert again.returncode == 2 and "already exists" in again.stderr
 
 
 def test_queries_never_leak_into_training_or_calibration_corpora():

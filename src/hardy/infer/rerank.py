@@ -45,7 +45,7 @@ class QLMScorer:
             raise HardyError("query-likelihood re-ranking needs the model's tokenizer")
         self.model, self.tok, self.cfg = model, tokenizer, cfg or QLMConfig()
         before, after = self.cfg.template.split("{passage}")
-        self.before = tokenizer.encode(before, add_bos=True) if before else tokenizer.encode("", add_bos=True)
+        self.before = tokenizer.encode(before, add_bos=True)
         self.after = tokenizer.encode(after, add_bos=False)
         self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
