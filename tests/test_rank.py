@@ -226,6 +226,7 @@ def test_eval_rank_cli(tmp_path, mini_run):
     assert [r["system"].split(" ", 1)[-1] if r["model"] else r["system"] for r in rows][0] == "BM25"
     assert len(rows) == 3 and rows[2]["alpha"] in [i / 10 for i in range(11)]
     assert all(0 <= r["ndcg10"] <= 1 and r["queries_per_s"] > 0 for r in rows)
+    assert all(sorted(r["per_query_ndcg"]) == sorted(r["per_query_ms"]) == ["q3", "q4"] for r in rows)  # test split only
     assert rows[1]["size_bytes"] > 0 and "nDCG@10" in proc.stdout and (tmp_path / "rank.png").stat().st_size > 0
     for bad, message in ((["--alpha", "2"], "--alpha must be in [0, 1]"), (["--k", "9", "--depth", "6"], "--k 9"),
                          (["--collection", str(tmp_path / "none")], "collection not found")):

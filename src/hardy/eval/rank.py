@@ -139,12 +139,12 @@ class SystemResult:
     alpha: float | None = None  # BM25 weight of an interpolated system
     delta_ndcg_vs_bm25: float = 0.0
     z_vs_bm25: float = 0.0
-    per_query_ndcg: dict[str, float] = field(default_factory=dict, repr=False)
+    per_query_ndcg: dict[str, float] = field(default_factory=dict, repr=False)  # query id -> nDCG@10
+    per_query_ms: dict[str, float] = field(default_factory=dict, repr=False)  # query id -> latency
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("per_query_ndcg")
-        return d
+        """Everything, the per-query nDCG@10 and latency included (for paired comparisons across runs)."""
+        return asdict(self)
 
 
 def _latency_stats(seconds: list[float]) -> tuple[float, float, float]:
@@ -157,10 +157,12 @@ def _latency_stats(seconds: list[float]) -> tuple[float, float, float]:
 def system_result(name: str, model: str | None, qrels, runs: dict[str, QueryRun], k: int, alpha: float,
                   grade: int, size: int | None, baseline: dict[str, float] | None) -> SystemResult:
     values = per_query_metrics(qrels, {qid: ranking(r, k, alpha) for qid, r in runs.items()}, grade)
-    lat = _latency_stats([r.first_s + r.lm_s for r in runs.values()])
+    seconds = {qid: r.first_s + r.lm_s for qid, r in runs.items()}
+    lat = _latency_stats(list(seconds.values()))
     ndcg = values["ndcg@10"]
     res = SystemResult(name, model, statistics.fmean(ndcg.values()), statistics.fmean(values["mrr@10"].values()),
-                       statistics.fmean(values["recall@100"].values()), *lat, size_bytes=size, per_query_ndcg=ndcg)
+                       statistics.fmean(values["recall@100"].values()), *lat, size_bytes=size, per_query_ndcg=ndcg,
+                       per_query_ms={qid: 1e3 * s for qid, s in seconds.items()})
     if baseline is not None:
         qids = sorted(ndcg)
         diff = paired_difference([baseline[q] for q in qids], [ndcg[q] for q in qids])
