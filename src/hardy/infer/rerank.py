@@ -66,13 +66,16 @@ class QLMScorer:
             starts.append(len(prefix))
         return rows, starts, query_ids
 
+    def score_rows(self, query: str, passages: list[str]) -> list["ScoreRow"]:
+        """One scoring row per passage (what the serving engine batches across requests)."""
+        rows, starts, query_ids = self.rows(query, passages)
+        return [ScoreRow(row, start, query_ids) for row, start in zip(rows, starts)]
+
     def score(self, query: str, passages: list[str]) -> list[float]:
         """log P(query | prompt, passage) for each passage, in the passages' order."""
         if not passages:
             return []
-        rows, starts, query_ids = self.rows(query, passages)
-        jobs = [ScoreRow(row, start, query_ids) for row, start in zip(rows, starts)]
-        return score_rows(self.model, jobs, self.cfg.batch_size, self.pad_id)
+        return score_rows(self.model, self.score_rows(query, passages), self.cfg.batch_size, self.pad_id)
 
 
 @dataclass(frozen=True)

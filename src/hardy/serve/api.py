@@ -28,7 +28,8 @@ from hardy.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from hardy.serve.rerank import Reranker
 from hardy.serve.schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
                                  ErrorResponse, Health, ModelList, RerankRequest, RerankResponse)
-from hardy.serve.transport import ApiError, AsyncEvents, BodyGuard, error_payload, submit_to_engine
+from hardy.serve.transport import (ApiError, AsyncEvents, BodyGuard, check_model_name, error_payload,
+                                   submit_to_engine)
 
 MAX_BODY = 1 << 20
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
@@ -173,9 +174,7 @@ class _Api:
     # ------------------------------------------------------------------ admission
     def _make_request(self, body, chat: bool) -> Request:
         tok = self.tokenizer
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
-                           "model_not_found", "model")
+        check_model_name(body.model, self.model_name)
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise ApiError(400, "this model has no chat template: use /v1/completions", "invalid_request_error",

@@ -9,7 +9,7 @@ from hardy.errors import HardyError
 from hardy.infer.rerank import QLMScorer, ScoreRow
 from hardy.serve.engine import Engine, ScoreRequest
 from hardy.serve.schemas import RerankRequest
-from hardy.serve.transport import ApiError, AsyncEvents, submit_to_engine
+from hardy.serve.transport import ApiError, AsyncEvents, check_model_name, submit_to_engine
 
 
 class Reranker:
@@ -20,14 +20,11 @@ class Reranker:
     def _rows(self, body: RerankRequest) -> list[ScoreRow]:
         if self.scorer is None:
             raise ApiError(400, "this model has no tokenizer to read text with", "invalid_request_error")
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
-                             "model_not_found", "model")
+        check_model_name(body.model, self.model_name)
         try:
-            rows, starts, query_ids = self.scorer.rows(body.query, body.texts())
+            return self.scorer.score_rows(body.query, body.texts())
         except HardyError as e:
             raise ApiError(400, str(e), "invalid_request_error", "query") from None
-        return [ScoreRow(row, start, query_ids) for row, start in zip(rows, starts)]
 
     async def rerank(self, body: RerankRequest, request_id: str) -> dict:
         rows = self._rows(body)

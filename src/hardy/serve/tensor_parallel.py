@@ -36,17 +36,15 @@ class LeaderRunner(ModelRunner):
         self.processes = dist.get_world_size()
         self._last = time.monotonic()
 
-    def _announce(self, op: int, a: int = 0, b: int = 0, payload: torch.Tensor | None = None, c: int = 0,
-                  extra: torch.Tensor | None = None) -> None:
+    def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, tensors: tuple[torch.Tensor, ...] = ()) -> None:
         dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.long), src=0)
-        for tensor in (payload, extra):
-            if tensor is not None:
-                dist.broadcast(tensor.contiguous(), src=0)
+        for tensor in tensors:
+            dist.broadcast(tensor.contiguous(), src=0)
         self._last = time.monotonic()
 
     def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
         try:
-            self._announce(PREFILL, row, prompt.shape[1], prompt)
+            self._announce(PREFILL, row, prompt.shape[1], tensors=(prompt,))
             return super().prefill(row, prompt)
         except Exception:
             self.fatal = True
@@ -54,7 +52,7 @@ class LeaderRunner(ModelRunner):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         try:
-            self._announce(DECODE, tokens.shape[0], 0, torch.cat([tokens[:, 0], positions]))
+            self._announce(DECODE, tokens.shape[0], tensors=(torch.cat([tokens[:, 0], positions]),))
             return super().decode(tokens, positions)
         except Exception:
             self.fatal = True
@@ -63,8 +61,8 @@ class LeaderRunner(ModelRunner):
     def score_batch(self, tokens: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,
                     mask: torch.Tensor) -> torch.Tensor:
         try:
-            self._announce(SCORE, tokens.shape[0], tokens.shape[1], tokens, at.shape[1],
-                           torch.stack([at, targets, mask.long()]))
+            self._announce(SCORE, tokens.shape[0], tokens.shape[1], at.shape[1],
+                           (tokens, torch.stack([at, targets, mask.long()])))
             return super().score_batch(tokens, at, targets, mask)
         except Exception:
             self.fatal = True

@@ -52,6 +52,12 @@ class AsyncEvents:
         return await self.queue.get()
 
 
+def check_model_name(asked: str | None, served: str) -> None:
+    """A request naming another model is a 404; naming none is fine (OpenAI clients often must)."""
+    if asked is not None and asked != served:
+        raise ApiError(404, f"model {asked!r} is not served here (serving {served!r})", "model_not_found", "model")
+
+
 def submit_to_engine(engine, request) -> None:
     """Hand a request to the engine, or answer 503 (with Retry-After where a retry can succeed)."""
     try:
