@@ -28,7 +28,7 @@ DEFAULT_TEMPLATE = "Wikipedia article section.\n{passage}\n\nThe heading of this
 class QLMConfig:
     template: str = DEFAULT_TEMPLATE
     max_passage_tokens: int = 192  # a longer passage is cut (its head kept)
-    batch_size: int = 16  # candidates per prefill
+    batch_size: int = 16  # candidates per prefill, at most
 
     def __post_init__(self):
         if self.template.count("{passage}") != 1:
@@ -117,21 +117,48 @@ def target_log_likelihood(model, tokens: torch.Tensor, at: torch.Tensor, targets
     return (token_logp * mask).sum(-1).double()
 
 
+# A pass's fixed cost (reading every weight once, ~20 operators per layer) in tokens of a row's compute:
+# what a row of padding must save before a batch is split in two (SmolLM2 on a CPU: a pass's weights
+# and launches take about as long as 30 tokens' matmuls).
+PASS_COST_TOKENS = 32
+
+
+def plan_batches(lengths: list[int], max_rows: int, pass_cost: int = PASS_COST_TOKENS) -> list[list[int]]:
+    """Row indices grouped into passes of at most `max_rows`: consecutive runs of the rows sorted by
+    length, chosen to minimize the padded tokens computed (rows × the pass's widest) plus `pass_cost`
+    per pass — exactly, by dynamic programming over the sorted order. Cutting by count alone pads a
+    pass of 40-token passages to its one 190-token row (measured: 1.8× the tokens on BM25's top 20)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cheapest passes covering the j shortest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        widest = lengths[order[j - 1]]
+        for i in range(max(0, j - max_rows), j):
+            cost = best[i] + (j - i) * widest + pass_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    passes, j = [], n
+    while j > 0:
+        passes.append(order[cut[j]:j])
+        j = cut[j]
+    return passes[::-1]
+
+
 def score_rows(model, rows: list[ScoreRow], batch_size: int, pad_id: int,
                run: Callable[..., torch.Tensor] | None = None) -> list[float]:
-    """Each row's target log-likelihood, in the rows' order; rows of similar length share a batch.
-    `run(tokens, at, targets, mask)` makes the forward pass (default: `target_log_likelihood` of
-    `model` on its device; the serving engine passes its runner's, which keeps the KV cache apart)."""
+    """Each row's target log-likelihood, in the rows' order; rows of similar length share a pass
+    (plan_batches). `run(tokens, at, targets, mask)` makes the forward pass (default:
+    `target_log_likelihood` of `model` on its device; the serving engine passes its runner's, which
+    keeps the KV cache apart)."""
     if run is None:
         device = compute_device(model)
 
         def run(*tensors):
             return target_log_likelihood(model, *(t.to(device) for t in tensors))
 
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens))
     parts = []
-    for lo in range(0, len(order), batch_size):
-        idx = order[lo:lo + batch_size]
+    for idx in plan_batches([len(r.tokens) for r in rows], batch_size):
         parts.append((idx, run(*batch_tensors([rows[i] for i in idx], pad_id))))
     scores = [0.0] * len(rows)
     for idx, values in parts:
