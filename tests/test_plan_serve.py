@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import run_hardy
 from hardy.errors import HardyError
@@ -250,6 +251,44 @@ def test_rerank_flops_match_a_counted_forward_of_the_scoring_pass():
     assert plan.flops_per_query_per_device == pytest.approx(counter.get_total_flops() - full_attention_extra, rel=1e-6)
 
 
+def test_rerank_elementwise_bytes_match_a_counted_block_forward():
+    """FORWARD_ELEMENTS against the elements hardy's transformer block really reads and writes outside
+    its matmuls and attention (every operator of a block's forward seen at dispatch; views move nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from hardy.model.config import get_preset
+    from hardy.model.llama import build_model
+    from hardy.plan.rerank import FORWARD_ELEMENTS
+
+    not_elementwise = {"linear", "mm", "addmm", "bmm", "scaled_dot_product_attention",
+                       "_scaled_dot_product_flash_attention_for_cpu", "to", "_to_copy"}  # .to(same dtype): no copy
+    views = {"view", "_unsafe_view", "t", "transpose", "expand", "as_strided", "slice", "select", "unsqueeze",
+             "reshape", "detach", "alias", "permute", "squeeze", "split", "unbind", "empty"}
+
+    class Count(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ not in not_elementwise | views:
+                self.elements += sum(t.numel() for t in tree_leaves((args, kwargs, out))
+                                     if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return out
+
+    for preset in ("micro", "smollm2-135m"):
+        cfg = get_preset(preset)
+        model = build_model(cfg, seed=0).eval()
+        model.reset_rope()
+        tokens = 40
+        with torch.inference_mode(), Count() as count:
+            model.layers[0](torch.randn(2, tokens, cfg.dim), model.rope_cos[:tokens], model.rope_sin[:tokens], 0)
+        e = FORWARD_ELEMENTS
+        planned = (e["h"] * cfg.dim + e["f"] * cfg.ffn_dim + e["q"] * cfg.n_heads * cfg.d_head
+                   + e["kv"] * cfg.n_kv_heads * cfg.d_head)
+        assert planned == pytest.approx(count.elements / (2 * tokens), rel=0.15), preset
+
+
 def test_rerank_plan_scales_with_candidates_and_prices_queries():
     from hardy.plan.rerank import plan_rerank
 
@@ -261,6 +300,15 @@ def test_rerank_plan_scales_with_candidates_and_prices_queries():
     assert one.queries_per_s == pytest.approx(1 / one.latency_s)
     tp = plan_rerank(L8B, hw(), quant="bf16", devices=2, candidates=20, passage_tokens=100)
     assert tp.allreduce_s > 0 and tp.weight_bytes_per_device < weight_bytes(L8B, "bf16")
+    # measured rates by shape: attention at the head size's, matmuls at the model width's
+    import dataclasses
+
+    slow, fast = (dataclasses.replace(hw(op_overhead_us=0.0), attention_efficiency_by_head_dim=((64, a),),
+                                      gemm_efficiency_by_width=((576, g),)) for a, g in ((0.1, 0.4), (0.2, 0.8)))
+    slow, fast = (plan_rerank(SMOL, h, quant="bf16", candidates=20, passage_tokens=100) for h in (slow, fast))
+    assert slow.attention_s == pytest.approx(2 * fast.attention_s) and slow.elementwise_s == fast.elementwise_s
+    assert (slow.compute_s - slow.attention_s - slow.elementwise_s == pytest.approx(
+        2 * (fast.compute_s - fast.attention_s - fast.elementwise_s)))
     with pytest.raises(HardyError, match="exceeds"):
         plan_rerank(SMOL, hw(), quant="bf16", passage_tokens=SMOL.max_seq_len)
     with pytest.raises(HardyError, match="--candidates must be >= 1"):

@@ -22,6 +22,11 @@ from hardy.plan.weights import WeightLayout
 # SmolLM2's vocabulary; a "Title — Section" query of the bundled collection ~10 on average.
 TEMPLATE_TOKENS = 16
 QUERY_TOKENS = 12
+# Elements each token reads and writes per layer outside the matmuls and attention in hardy's
+# forward (model/llama.py), by the width they scale with: two RMSNorms and two residual adds (h),
+# SiLU(gate) · up (ffn), rotary embedding of q and k (its halves' negation, concatenation, two
+# products and a sum).
+FORWARD_ELEMENTS = {"h": 10, "f": 5, "q": 8, "kv": 8}
 
 
 @dataclass
@@ -44,7 +49,9 @@ class RerankPlan:
     usable_memory_per_device: float
     flops_per_query_per_device: float
     bytes_per_query_per_device: float
-    compute_s: float
+    compute_s: float  # matmuls + attention + elementwise operators, one after another
+    attention_s: float
+    elementwise_s: float
     memory_s: float
     dispatch_s: float
     allreduce_s: float
@@ -72,7 +79,8 @@ class RerankPlan:
                                   f"{_gb(self.activation_bytes_per_device)})"),
             ("work per query per device", f"{self.flops_per_query_per_device / 1e9:,.1f} GFLOP, "
                                           f"{_gb(self.bytes_per_query_per_device)} of weights read"),
-            ("latency per query", f"{_ms(self.latency_s)}, {self.bound}-bound (compute {_ms(self.compute_s)}, "
+            ("latency per query", f"{_ms(self.latency_s)}, {self.bound}-bound (compute {_ms(self.compute_s)} of which "
+                                  f"attention {_ms(self.attention_s)}, elementwise {_ms(self.elementwise_s)}; "
                                   f"memory {_ms(self.memory_s)}, dispatch {_ms(self.dispatch_s)}"
                                   + (f", all-reduce {_ms(self.allreduce_s)})" if self.devices > 1 else ")")),
             ("queries/s", f"{self.queries_per_s:,.3g}"),
@@ -109,10 +117,20 @@ def plan_rerank(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str =
 
     # Every row's tokens through the matmuls, causal attention over n(n+1)/2 pairs per head, and the
     # LM head at the query's positions only; the weights are read once per pass.
-    flops = candidates * (2 * s.matmul * n + 4 * L * s.q_heads * dh * n * (n + 1) / 2
-                          + 2 * s.head * query_tokens)
+    # Each at its own measured rate where a probe has one: the matmuls at the model width's GEMM rate,
+    # attention at the head size's (a CPU's fused kernel runs far below its GEMMs), the elementwise
+    # operators at the streaming bandwidth.
+    matmul_flops = candidates * (2 * s.matmul * n + 2 * s.head * query_tokens)
+    attention_flops = candidates * 4 * L * s.q_heads * dh * n * (n + 1) / 2
+    flops = matmul_flops + attention_flops
+    e = FORWARD_ELEMENTS
+    elementwise_bytes = candidates * n * L * act_bytes * (
+        e["h"] * model.dim + e["f"] * math.ceil(model.ffn_dim / devices) + e["q"] * s.q_heads * dh + e["kv"] * s.kv_heads * dh)
+    attention_s = attention_flops / hw.attention_rate(compute, dh)
+    elementwise_s = elementwise_bytes / hw.elementwise_rate()
+    compute_s = matmul_flops / hw.gemm_rate(compute, model.dim) + attention_s + elementwise_s
     nbytes = passes * w_read
-    compute_s, memory_s = flops / hw.achievable_flops(compute), nbytes / hw.achievable_bandwidth()
+    memory_s = nbytes / hw.achievable_bandwidth()
     roof = max(compute_s, memory_s)
     ops = (OPS_PER_LAYER["llama"] * L + 20) * passes
     disp = dispatch_s(hw, ops, roof)
@@ -136,7 +154,8 @@ def plan_rerank(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str =
         passage_tokens=passage_tokens, query_tokens=query_tokens, template_tokens=template_tokens, row_tokens=n,
         rerank_batch=rows_per_pass, passes_per_query=passes, weight_bytes_per_device=w_dev,
         activation_bytes_per_device=activations, memory_per_device=w_dev + activations, usable_memory_per_device=usable,
-        flops_per_query_per_device=flops, bytes_per_query_per_device=nbytes, compute_s=compute_s, memory_s=memory_s,
+        flops_per_query_per_device=flops, bytes_per_query_per_device=nbytes, compute_s=compute_s,
+        attention_s=attention_s, elementwise_s=elementwise_s, memory_s=memory_s,
         dispatch_s=disp, allreduce_s=comm, latency_s=latency,
         bound=max((compute_s, "compute"), (memory_s, "memory bandwidth"), (disp, "dispatch"))[1],
         queries_per_s=1 / latency, cost_per_hour=price,
