@@ -1,7 +1,7 @@
 """Planner check for re-ranking: `plan_rerank` on this machine's probe profile against the latency per
 query that `hardy eval rank` measured, for the request shape that run really had (the mean passage,
 template and query tokens of its rows: BM25's top k of every test query, tokenized as the scorer
-does), and the same shape priced on catalogue hardware (a CPU socket and GPUs).
+does), and the same shape priced on catalogue hardware (CPU sockets and GPUs: $ per million queries, latency).
 
     .venv/bin/python -m hardy probe --quick --out /tmp/rank/probe.json
     .venv/bin/python bench/plan_rerank_check.py --profile /tmp/rank/probe.json --rank-json /tmp/rank/rankA.json
@@ -48,32 +48,30 @@ def main() -> None:
     measured = json.loads(open(args.rank_json).read())
     k, depth, split = measured["k"], measured["depth"], measured["split"]
     here = get_hardware("probe:" + args.profile)
-    print(f"{'model':<32} {'quant':>6} {'measured p50':>12} {'mean':>8} {'predicted':>10} {'pred/mean':>9}")
-    shape = None
+    print(f"{'model':<32} {'row tokens':>26} {'measured p50':>12} {'mean':>8} {'predicted':>10} {'pred/mean':>9}  "
+          + "  ".join(f"{name + ' $/1M':>16}" for name in CATALOGUE))
+    shapes = {}
     for row in measured["rows"]:
         if row["model"] is None or not row["system"].endswith("QLM"):
             continue
         spec = row["model"]
-        if shape is None:  # the rows are the collection's, tokenized by this model family's tokenizer
-            shape = run_shape(spec, args.collection, split, k, depth)
-            print(f"(rows: {shape[0]:.1f} passage + {shape[1]} template + {shape[2]:.1f} query tokens, k = {k})")
         cfg = config_for(spec)
+        key = (cfg.vocab_size, cfg.max_seq_len)  # the rows depend on the tokenizer and the context only
+        if key not in shapes:
+            shapes[key] = run_shape(spec, args.collection, split, k, depth)
+        passage, template, query = shapes[key]
+        shape = dict(candidates=k, passage_tokens=round(passage), template_tokens=template, query_tokens=round(query),
+                     rerank_batch=k)
         quant = "fp32"  # hardy's prefill multiplies in fp32 on a CPU without fast bf16, whatever the storage
-        plan = plan_rerank(cfg, here, quant=quant, candidates=k, passage_tokens=round(shape[0]),
-                           template_tokens=shape[1], query_tokens=round(shape[2]), rerank_batch=k)
+        plan = plan_rerank(cfg, here, quant=quant, **shape)
         mean_ms = 1e3 / row["queries_per_s"]
-        print(f"{spec:<32} {quant:>6} {row['latency_median_ms']:10.0f} ms {mean_ms:6.0f} ms "
-              f"{plan.latency_s * 1e3:8.0f} ms {plan.latency_s * 1e3 / mean_ms:8.2f}x")
-    if shape is None:
+        # the catalogue: bf16 weights and compute on one device
+        prices = [plan_rerank(cfg, get_hardware(name), quant="bf16", **shape) for name in CATALOGUE]
+        print(f"{spec:<32} {f'{passage:.0f} + {template} + {query:.1f}':>26} {row['latency_median_ms']:10.0f} ms "
+              f"{mean_ms:6.0f} ms {plan.latency_s * 1e3:8.0f} ms {plan.latency_s * 1e3 / mean_ms:8.2f}x  "
+              + "  ".join(f"{p.cost_per_million_queries:9.2f} ({p.latency_s * 1e3:.1f} ms)" for p in prices))
+    if not shapes:
         raise SystemExit("no re-ranking rows in " + args.rank_json)
-    print("\nThe same shape priced on the catalogue (bf16 weights; one device):")
-    print(f"{'hardware':<12} {'latency':>9} {'queries/s':>10} {'$/1M queries':>13}")
-    cfg = config_for("smollm2-135m")
-    for name in CATALOGUE:
-        plan = plan_rerank(cfg, get_hardware(name), quant="bf16", candidates=k, passage_tokens=round(shape[0]),
-                           template_tokens=shape[1], query_tokens=round(shape[2]), rerank_batch=k)
-        print(f"{name:<12} {plan.latency_s * 1e3:7.1f} ms {plan.queries_per_s:10.1f} "
-              f"{plan.cost_per_million_queries:13.2f}")
 
 
 if __name__ == "__main__":

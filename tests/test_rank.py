@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import hardy_main
+from conftest import hardy_main, run_hardy
 
 from hardy.data.ranking import (MAX_WORDS, build_wikitext_collection, bundled_collection, collection_files, detokenize,
                                 read_collection, write_collection)
@@ -237,14 +237,18 @@ def test_passes_minimize_padded_tokens():
     assert padded <= 1.05 * sum(lengths)
 
 
-def test_eval_rank_cli(tmp_path, mini_run):
+def _shakespeare_collection(root):
     corpus = {f"d{i}": t for i, t in enumerate([
         "Now is the winter of our discontent made glorious summer", "To be or not to be that is the question",
         "Friends, Romans, countrymen, lend me your ears", "A horse, a horse, my kingdom for a horse",
         "The winter wind blows cold upon the heath", "Is this a dagger which I see before me"])}
     queries = {"q1": "winter of discontent", "q2": "kingdom for a horse", "q3": "a dagger I see", "q4": "lend me ears"}
     qrels = {"dev": [("q1", "d0", 2), ("q1", "d4", 1), ("q2", "d3", 2)], "test": [("q3", "d5", 2), ("q4", "d2", 2)]}
-    root = _beir(tmp_path / "c", queries, corpus, qrels)
+    return _beir(root, queries, corpus, qrels)
+
+
+def test_eval_rank_cli(tmp_path, mini_run):
+    root = _shakespeare_collection(tmp_path / "c")
     out = tmp_path / "rank.json"
     proc = hardy_main("eval", "rank", "--collection", str(root), "--model", str(mini_run / "run"), "--k", "4",
                       "--depth", "6", "--json", str(out), "--plot", str(tmp_path / "rank.png"), "--no-progress")
@@ -261,6 +265,27 @@ def test_eval_rank_cli(tmp_path, mini_run):
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_eval_rank_tensor_parallel_scores_equal_one_process(tmp_path, mini_run):
+    """`--tp 2`: two torchrun workers, each holding half of every sharded matrix, score the same
+    candidates as one process does (to float tolerance), in the same order."""
+    root = _shakespeare_collection(tmp_path / "c")
+    scores = {}
+    for tp in ("1", "2"):
+        out = tmp_path / f"rank{tp}.json"
+        proc = run_hardy("eval", "rank", "--collection", str(root), "--model", str(mini_run / "run"), "--k", "4",
+                         "--depth", "6", "--alpha", "0.5", "--tp", tp, "--threads", "2", "--json", str(out),
+                         "--no-progress", timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "nDCG@10" in proc.stdout and proc.stdout.count("BM25+QLM") == 1  # one table: rank 0's
+        scores[tp] = json.loads(out.read_text())["rows"][1]["per_query_lm"]
+    assert sorted(scores["1"]) == ["q3", "q4"] and all(len(v) == 4 for v in scores["1"].values())
+    for qid, by_passage in scores["1"].items():
+        assert scores["2"][qid] == pytest.approx(by_passage, rel=1e-4, abs=1e-4)
+        assert len(set(by_passage.values())) == 4  # distinct scores: the comparison tests the model, not ties
+    bad = run_hardy("eval", "rank", "--collection", str(root), "--model", str(mini_run / "run"), "--tp", "3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
 def test_refuses_a_model_calibrated_on_the_collections_source(tmp_path):
     from hardy.cli.eval_rank import check_no_leak
     from hardy.data.text import resolve_text_path
@@ -273,3 +298,16 @@ def test_refuses_a_model_calibrated_on_the_collections_source(tmp_path):
         check_no_leak(str(model), source)
     (model / "quantization.json").write_text(json.dumps({"calibration": {"data": "wikitext2-valid"}}))
     check_no_leak(str(model), source)  # calibrated elsewhere: fine
+    # a trained run: the inputs its dataset was prepared from (the data index) or named in its config
+    run, data = tmp_path / "run", tmp_path / "data"
+    (run / "checkpoints").mkdir(parents=True)
+    data.mkdir()
+    (data / "index.json").write_text(json.dumps({"report": {"inputs": ["tinyshakespeare", "wikitext2-test"]}}))
+    (run / "config.json").write_text(json.dumps({"data": {"path": str(data), "inputs": []}}))
+    with pytest.raises(HardyError, match="trained on wikitext2-test"):
+        check_no_leak(str(run), source)
+    (data / "index.json").write_text(json.dumps({"report": {"inputs": ["tinyshakespeare"]}}))
+    check_no_leak(str(run), source)
+    (run / "config.json").write_text(json.dumps({"data": {"path": str(data), "inputs": ["wikitext2-test"]}}))
+    with pytest.raises(HardyError, match="trained on wikitext2-test"):
+        check_no_leak(str(run), source)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 
 from hardy.cli.common import add_device_arg, add_gguf_arg
 from hardy.devices import resolve_device
 from hardy.errors import HardyError
-from hardy.loading.load import is_quantized_source, load_model, resolve_source, set_threads
+from hardy.loading.load import config_for, is_quantized_source, load_model, resolve_source, set_threads
 
 
 def register_rank(tasks) -> None:
@@ -30,7 +32,9 @@ def register_rank(tasks) -> None:
     pr.add_argument("--batch", type=int, default=20, help="candidates per prefill")
     pr.add_argument("--max-passage-tokens", type=int, default=192)
     pr.add_argument("--template", default=None, help="prompt with {passage}; the query follows its end")
-    pr.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    pr.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores; shared by --tp's processes)")
+    pr.add_argument("--tp", type=int, default=1,
+                    help="re-rank with each model sharded over N tensor-parallel CPU processes (gloo; started here)")
     add_device_arg(pr)
     add_gguf_arg(pr)
     pr.add_argument("--json", default=None, help="also write the rows as JSON to this file")
@@ -51,33 +55,83 @@ def _alpha(spec: str) -> float | None:
     return value
 
 
-def check_no_leak(spec: str, source_sha256: str | None) -> None:
-    """Refuse a compressed model whose calibration text is the collection's source: its queries'
-    passages would have shaped the weights being evaluated."""
-    if not source_sha256:
-        return
+def _texts_behind(spec: str) -> list[tuple[str, str]]:
+    """(how it was used, text spec) for the texts that shaped a model's weights, where hardy recorded
+    them: a compressed model's calibration data, a trained run's dataset inputs."""
     kind, path = resolve_source(spec)
-    manifest = path / "quantization.json" if path.is_dir() else None
-    if manifest is None or not manifest.is_file():
-        return
-    data = (json.loads(manifest.read_text()).get("calibration") or {}).get("data")
-    if not data:
+    if not path.is_dir():
+        return []
+    texts = []
+    manifest = path / "quantization.json"
+    if manifest.is_file():
+        data = (json.loads(manifest.read_text()).get("calibration") or {}).get("data")
+        texts += [("calibrated", data)] if data else []
+    config = path / "config.json"
+    if kind == "run" and config.is_file():
+        data_cfg = json.loads(config.read_text()).get("data") or {}
+        inputs = list(data_cfg.get("inputs") or [])
+        index = Path(data_cfg.get("path") or "") / "index.json"
+        if data_cfg.get("path") and index.is_file():
+            inputs += (json.loads(index.read_text()).get("report") or {}).get("inputs") or []
+        texts += [("trained", name) for name in dict.fromkeys(inputs)]
+    return texts
+
+
+def check_no_leak(spec: str, source_sha256: str | None) -> None:
+    """Refuse a model calibrated or trained on the collection's source text: its queries' passages
+    would have shaped the weights being evaluated."""
+    if not source_sha256:
         return
     from hardy.data.text import resolve_text_path
 
-    try:
-        calib = resolve_text_path(data)
-    except HardyError:
-        return  # the calibration file is gone: nothing to compare
-    # the collection hashes the text as read (universal newlines), so the same here
-    if calib.is_file() and hashlib.sha256(calib.read_text(errors="replace").encode()).hexdigest() == source_sha256:
-        raise HardyError(f"{spec} was calibrated on {data}, the text this collection's queries come from: "
-                         "its ranking quality would not be a held-out measurement")
+    for use, data in _texts_behind(spec):
+        try:
+            text = resolve_text_path(data)
+        except HardyError:
+            continue  # the file is gone: nothing to compare
+        # the collection hashes the text as read (universal newlines), so the same here
+        if text.is_file() and hashlib.sha256(text.read_text(errors="replace").encode()).hexdigest() == source_sha256:
+            raise HardyError(f"{spec} was {use} on {data}, the text this collection's queries come from: "
+                             "its ranking quality would not be a held-out measurement")
 
 
 def model_bytes(model) -> int:
     """Bytes of the weights as held in memory (packed codes and scales for quantized layers)."""
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def load_sharded(spec: str, device, args):
+    """(loaded model, None) in one process; under --tp, this rank's shard and, on rank 0, the runner
+    that announces each scoring pass to the other ranks."""
+    if args.tp == 1:
+        return load_model(spec, device=device, gguf=args.gguf_weights), None
+    # start-up time: torch.distributed only for --tp
+    from hardy.compress.tensor_parallel import rank_slices
+    from hardy.infer.tensor_parallel import shard_model
+    from hardy.serve.tensor_parallel import LeaderRunner
+
+    rank = int(os.environ["RANK"])
+    loaded = load_model(spec, device=device, gguf=args.gguf_weights, tp_slices=rank_slices(rank, args.tp))
+    shard_model(loaded.model, args.tp)
+    return loaded, (LeaderRunner(loaded.model, 1, 2) if rank == 0 else None)
+
+
+def follow_models(args) -> int:
+    """Ranks 1..N-1 of --tp: each model's shard, running rank 0's scoring passes until it moves on."""
+    from hardy.parallel.distributed import leave_together
+    from hardy.serve.tensor_parallel import follow
+
+    sys.stdout = open(os.devnull, "w")
+    for spec in args.model:
+        loaded, _ = load_sharded(spec, "cpu", args)
+        if not follow(loaded.model, 1, 2):
+            print("hardy: rank 0 stopped in the middle of a scoring pass; this worker stops too",
+                  file=sys.stderr, flush=True)
+            os._exit(1)  # the process group is broken: tearing it down could only hang
+        del loaded
+        gc.collect()
+    leave_together()
+    return 0
 
 
 def run_rank(args) -> int:
@@ -87,6 +141,8 @@ def run_rank(args) -> int:
     from hardy.infer.rerank import QLMConfig, QLMScorer
 
     check_sizes(args.depth, args.k)
+    if args.tp < 1:
+        raise HardyError(f"--tp must be >= 1 (got {args.tp})")
     alpha = _alpha(args.alpha)
     qcfg = QLMConfig(max_passage_tokens=args.max_passage_tokens, batch_size=args.batch,
                      **({"template": args.template} if args.template else {}))
@@ -102,6 +158,18 @@ def run_rank(args) -> int:
         dev = coll.split(args.dev_split)
     for spec in args.model:
         check_no_leak(spec, coll.meta.get("source_sha256"))
+    if args.tp > 1:
+        from hardy.infer.tensor_parallel import check_tp, cpu_only, relaunch_under_torchrun
+
+        cpu_only(args)
+        if not args.model:
+            raise HardyError("--tp shards the re-ranking models: give --model")
+        if "WORLD_SIZE" not in os.environ:  # the launcher: bad input was refused above, before any process starts
+            for spec in args.model:
+                check_tp(spec, config_for(spec), args.tp, args.gguf_weights)
+            return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
+        if int(os.environ["RANK"]) != 0:
+            return follow_models(args)
     if args.max_queries:
         test.queries = test.queries[:args.max_queries]
         if dev is not None:
@@ -118,8 +186,8 @@ def run_rank(args) -> int:
     for spec in args.model:
         device = resolve_device(args.device, quantized=args.device == "auto"
                                 and is_quantized_source(spec, args.gguf_weights))
-        loaded = load_model(spec, device=device, gguf=args.gguf_weights)
-        scorer = QLMScorer(loaded.model, loaded.tokenizer, qcfg)
+        loaded, runner = load_sharded(spec, device, args)
+        scorer = QLMScorer(loaded.model, loaded.tokenizer, qcfg, run=runner and runner.score_batch)
         size = model_bytes(loaded.model)
         chosen = alpha
         if dev is not None:
@@ -131,8 +199,14 @@ def run_rank(args) -> int:
         rows.append(system_result(f"{spec} BM25+QLM (a={chosen:.1f})", spec, qrels, runs, args.k, chosen, grade,
                                   size, baseline))
         rows[-1].alpha = chosen
-        del loaded, scorer
+        if runner is not None:
+            runner.finish()  # the other ranks go on to the next model
+        del loaded, scorer, runner
         gc.collect()
+    if args.tp > 1:
+        from hardy.parallel.distributed import leave_together
+
+        leave_together()
     print(format_table(rows))
     print(f"({coll.name}, split {args.split}: {len(test.queries)} queries, {len(coll.passages)} passages; "
           f"{args.first_stage} top {args.depth}, re-ranking its top {args.k}; nDCG@10 graded, MRR@10 and R@100 "

@@ -141,9 +141,11 @@ class SystemResult:
     z_vs_bm25: float = 0.0
     per_query_ndcg: dict[str, float] = field(default_factory=dict, repr=False)  # query id -> nDCG@10
     per_query_ms: dict[str, float] = field(default_factory=dict, repr=False)  # query id -> latency
+    # query id -> {candidate id: the LM's log-likelihood of the query}: the re-ranked top k's scores
+    per_query_lm: dict[str, dict[str, float]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
-        """Everything, the per-query nDCG@10 and latency included (for paired comparisons across runs)."""
+        """Everything, the per-query nDCG@10, latency and LM scores included (paired comparisons across runs)."""
         return asdict(self)
 
 
@@ -162,7 +164,9 @@ def system_result(name: str, model: str | None, qrels, runs: dict[str, QueryRun]
     ndcg = values["ndcg@10"]
     res = SystemResult(name, model, statistics.fmean(ndcg.values()), statistics.fmean(values["mrr@10"].values()),
                        statistics.fmean(values["recall@100"].values()), *lat, size_bytes=size, per_query_ndcg=ndcg,
-                       per_query_ms={qid: 1e3 * s for qid, s in seconds.items()})
+                       per_query_ms={qid: 1e3 * s for qid, s in seconds.items()},
+                       per_query_lm={qid: {pid: v for (pid, _), v in zip(r.first[:k], r.lm)}
+                                     for qid, r in runs.items() if r.lm is not None})
     if baseline is not None:
         qids = sorted(ndcg)
         diff = paired_difference([baseline[q] for q in qids], [ndcg[q] for q in qids])

@@ -40,10 +40,12 @@ class QLMConfig:
 class QLMScorer:
     """Scores (query, passages) with one model; the template's fixed parts are tokenized once."""
 
-    def __init__(self, model, tokenizer, cfg: QLMConfig | None = None):
+    def __init__(self, model, tokenizer, cfg: QLMConfig | None = None, run: Callable[..., torch.Tensor] | None = None):
+        """`run`: the forward pass of a batch (score_rows); a tensor-parallel leader's announces it to the
+        other ranks first."""
         if tokenizer is None:
             raise HardyError("query-likelihood re-ranking needs the model's tokenizer")
-        self.model, self.tok, self.cfg = model, tokenizer, cfg or QLMConfig()
+        self.model, self.tok, self.cfg, self.run = model, tokenizer, cfg or QLMConfig(), run
         before, after = self.cfg.template.split("{passage}")
         self.before = tokenizer.encode(before, add_bos=True)
         self.after = tokenizer.encode(after, add_bos=False)
@@ -75,7 +77,7 @@ class QLMScorer:
         """log P(query | prompt, passage) for each passage, in the passages' order."""
         if not passages:
             return []
-        return score_rows(self.model, self.score_rows(query, passages), self.cfg.batch_size, self.pad_id)
+        return score_rows(self.model, self.score_rows(query, passages), self.cfg.batch_size, self.pad_id, self.run)
 
 
 @dataclass(frozen=True)
