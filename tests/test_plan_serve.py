@@ -309,6 +309,12 @@ def test_rerank_plan_scales_with_candidates_and_prices_queries():
     assert slow.attention_s == pytest.approx(2 * fast.attention_s) and slow.elementwise_s == fast.elementwise_s
     assert (slow.compute_s - slow.attention_s - slow.elementwise_s == pytest.approx(
         2 * (fast.compute_s - fast.attention_s - fast.elementwise_s)))
+    # where a probe measured the inference forward's GEMMs apart from training's, the plan takes those
+    forward = dataclasses.replace(hw(op_overhead_us=0.0), attention_efficiency_by_head_dim=((64, 0.2),),
+                                  gemm_efficiency_by_width=((576, 0.8),), forward_gemm_efficiency_by_width=((576, 0.4),))
+    forward = plan_rerank(SMOL, forward, quant="bf16", candidates=20, passage_tokens=100)
+    assert forward.compute_s - forward.attention_s - forward.elementwise_s == pytest.approx(
+        2 * (fast.compute_s - fast.attention_s - fast.elementwise_s))
     with pytest.raises(HardyError, match="exceeds"):
         plan_rerank(SMOL, hw(), quant="bf16", passage_tokens=SMOL.max_seq_len)
     with pytest.raises(HardyError, match="--candidates must be >= 1"):

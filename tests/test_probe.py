@@ -91,6 +91,10 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     assert sorted(gemm) == [64, 256, 576, 1536] and all(0 < e <= 1 for e in gemm.values())
     assert hw.gemm_rate("fp32", min(gemm)) == pytest.approx(hw.peak("fp32") * gemm[min(gemm)])
     assert hw.gemm_rate("fp32", 1 << 20) == pytest.approx(hw.peak("fp32") * gemm[max(gemm)])
+    # and the inference forward's projections alone (prefill, re-ranking), apart
+    forward = {int(w): e for w, e in profile["layer_gemm_forward"]["efficiency_by_width"].items()}
+    assert sorted(forward) == sorted(gemm) and all(0 < e <= 1 for e in forward.values())
+    assert hw.gemm_rate("fp32", 576, forward=True) == pytest.approx(hw.peak("fp32") * forward[576])
     attn = {int(h): e for h, e in profile["attention"]["efficiency_by_head_dim"].items()}
     assert set(attn) == {16, 32, 64, 128} and all(0 < e <= 1 for e in attn.values())
     assert hw.attention_rate("fp32", 16) == pytest.approx(hw.peak("fp32") * attn[16])

@@ -70,7 +70,7 @@ class GemmTimer(TorchDispatchMode):
     FLOPs from the operand shapes: what a real layer's GEMMs achieve — all of its shapes, the
     transposed operands of the backward pass — rather than one benchmark shape's."""
 
-    OPS = {"mm", "addmm", "bmm"}
+    OPS = {"mm", "addmm", "bmm", "linear"}  # without autograd (inference) a linear arrives whole
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -93,12 +93,13 @@ class GemmTimer(TorchDispatchMode):
 
 
 def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
-                        dtype: torch.dtype = torch.float32) -> dict:
+                        dtype: torch.dtype = torch.float32, forward_only: bool = False) -> dict:
     """FLOP/s of the GEMMs of a real hardy Llama block, forward + backward, by model width (q/k/v/o
     projections, SwiGLU, their gradients), at the token counts training uses, in `dtype` (fp32 on a
     CPU, bf16 on a GPU: what each trains in), against `best_flops` of that dtype; the median of a few
     runs (a shared machine's bursts would flatter a best-of). The planner applies these, by width,
-    to a model's layers and LM head."""
+    to a model's layers and LM head. `forward_only`: the inference forward's projections alone (no
+    gradients): what prefill and re-ranking run, which on a CPU achieve less than training's mix."""
     if device.type == "cpu":
         shapes = [(4096, 64, 176, 4), (2048, 256, 688, 8), (1024, 576, 1536, 8), (512, 1536, 4096, 24)]
     else:
@@ -116,8 +117,12 @@ def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
             xi = x.detach().requires_grad_(True)
             block.zero_grad(set_to_none=True)
             timer = GemmTimer(device)
-            with timer:
-                block(xi, cos, sin).sum().backward()
+            if forward_only:
+                with torch.no_grad(), timer:
+                    block(x, cos, sin)
+            else:
+                with timer:
+                    block(xi, cos, sin).sum().backward()
             if i:  # the first run warms the allocator and kernel selection
                 rates.append(timer.flops / timer.seconds)
         rate = statistics.median(rates)

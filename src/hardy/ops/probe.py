@@ -348,6 +348,8 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True,
         trains_in = "bf16" if device.type == "cuda" else "fp32"
         profile["layer_gemm"] = measure_layer_gemms(device, profile["matmul"]["dtypes"][trains_in]["best_flops"],
                                                     quick, DTYPES[trains_in])
+        profile["layer_gemm_forward"] = measure_layer_gemms(
+            device, profile["matmul"]["dtypes"][trains_in]["best_flops"], quick, DTYPES[trains_in], forward_only=True)
         profile["attention"] = measure_attention(device, best, quick)
         profile["elementwise"] = measure_elementwise(device, quick)
         profile["gemv"] = measure_gemv(device, quick)

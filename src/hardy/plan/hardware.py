@@ -85,6 +85,8 @@ class Hardware:
     # Achieved fraction of the peak by model width (training GEMMs) and by head size (causal
     # attention forward + backward), measured by a probe; empty: `flops_efficiency` for both.
     gemm_efficiency_by_width: tuple[tuple[int, float], ...] = ()
+    # the same for the inference forward's projections alone (prefill, re-ranking); empty: the above
+    forward_gemm_efficiency_by_width: tuple[tuple[int, float], ...] = ()
     attention_efficiency_by_head_dim: tuple[tuple[int, float], ...] = ()
     sources: tuple[str, ...] = ()
     date: str = ""  # when the figures (prices above all) were last checked
@@ -115,12 +117,13 @@ class Hardware:
             return self.decode_bandwidth or self.achievable_bandwidth()
         return interpolate_log(self.decode_bandwidth_by_width, width)
 
-    def gemm_rate(self, dtype: str, width: int | None = None) -> float:
+    def gemm_rate(self, dtype: str, width: int | None = None, forward: bool = False) -> float:
         """FLOP/s of a layer's training GEMMs at a model width (measured by a probe; otherwise the
-        entry's large-GEMM efficiency)."""
-        if width is None or not self.gemm_efficiency_by_width:
+        entry's large-GEMM efficiency); `forward`: the inference forward's, where measured."""
+        table = (forward and self.forward_gemm_efficiency_by_width) or self.gemm_efficiency_by_width
+        if width is None or not table:
             return self.achievable_flops(dtype)
-        return self.peak(dtype) * interpolate_log(self.gemm_efficiency_by_width, width)
+        return self.peak(dtype) * interpolate_log(table, width)
 
     def attention_rate(self, dtype: str, head_dim: int | None = None) -> float:
         """FLOP/s of causal attention forward + backward at a head size (measured by a probe: a CPU's
@@ -325,6 +328,7 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
         # have only the one-shape benchmark of a linear layer
         gemm_efficiency_by_width=(_table(profile, "layer_gemm", "efficiency_by_width")
                                   or _table(profile, "training_gemm", "efficiency_by_width")),
+        forward_gemm_efficiency_by_width=_table(profile, "layer_gemm_forward", "efficiency_by_width"),
         attention_efficiency_by_head_dim=_table(profile, "attention", "efficiency_by_head_dim"),
         intra_node=intra, inter_node=inter,
         disk_write_bandwidth=_field(profile, "disk.write_bandwidth", where), price_per_device_hour=None,

@@ -117,9 +117,9 @@ def plan_rerank(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str =
 
     # Every row's tokens through the matmuls, causal attention over n(n+1)/2 pairs per head, and the
     # LM head at the query's positions only; the weights are read once per pass.
-    # Each at its own measured rate where a probe has one: the matmuls at the model width's GEMM rate,
-    # attention at the head size's (a CPU's fused kernel runs far below its GEMMs), the elementwise
-    # operators at the streaming bandwidth.
+    # Each at its own measured rate where a probe has one: the matmuls at the model width's inference
+    # GEMM rate, attention at the head size's (a CPU's fused kernel runs far below its GEMMs), the
+    # elementwise operators at the streaming bandwidth.
     matmul_flops = candidates * (2 * s.matmul * n + 2 * s.head * query_tokens)
     attention_flops = candidates * 4 * L * s.q_heads * dh * n * (n + 1) / 2
     flops = matmul_flops + attention_flops
@@ -128,7 +128,7 @@ def plan_rerank(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str =
         e["h"] * model.dim + e["f"] * math.ceil(model.ffn_dim / devices) + e["q"] * s.q_heads * dh + e["kv"] * s.kv_heads * dh)
     attention_s = attention_flops / hw.attention_rate(compute, dh)
     elementwise_s = elementwise_bytes / hw.elementwise_rate()
-    compute_s = matmul_flops / hw.gemm_rate(compute, model.dim) + attention_s + elementwise_s
+    compute_s = matmul_flops / hw.gemm_rate(compute, model.dim, forward=True) + attention_s + elementwise_s
     nbytes = passes * w_read
     memory_s = nbytes / hw.achievable_bandwidth()
     roof = max(compute_s, memory_s)
