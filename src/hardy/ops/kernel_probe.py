@@ -99,7 +99,7 @@ def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
     CPU, bf16 on a GPU: what each trains in), against `best_flops` of that dtype; the median of a few
     runs (a shared machine's bursts would flatter a best-of). The planner applies these, by width,
     to a model's layers and LM head. `forward_only`: the inference forward's projections alone (no
-    gradients): what prefill and re-ranking run, which on a CPU achieve less than training's mix."""
+    gradients): what prefill and re-ranking run, apart from training's mix of shapes."""
     if device.type == "cpu":
         shapes = [(4096, 64, 176, 4), (2048, 256, 688, 8), (1024, 576, 1536, 8), (512, 1536, 4096, 24)]
     else:
