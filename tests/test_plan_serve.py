@@ -259,7 +259,7 @@ def test_rerank_elementwise_bytes_match_a_counted_block_forward():
 
     from hardy.model.config import get_preset
     from hardy.model.llama import build_model
-    from hardy.plan.rerank import FORWARD_ELEMENTS
+    from hardy.plan.rerank import forward_elements_per_token
 
     not_elementwise = {"linear", "mm", "addmm", "bmm", "scaled_dot_product_attention",
                        "_scaled_dot_product_flash_attention_for_cpu", "to", "_to_copy"}  # .to(same dtype): no copy
@@ -283,10 +283,7 @@ def test_rerank_elementwise_bytes_match_a_counted_block_forward():
         tokens = 40
         with torch.inference_mode(), Count() as count:
             model.layers[0](torch.randn(2, tokens, cfg.dim), model.rope_cos[:tokens], model.rope_sin[:tokens], 0)
-        e = FORWARD_ELEMENTS
-        planned = (e["h"] * cfg.dim + e["f"] * cfg.ffn_dim + e["q"] * cfg.n_heads * cfg.d_head
-                   + e["kv"] * cfg.n_kv_heads * cfg.d_head)
-        assert planned == pytest.approx(count.elements / (2 * tokens), rel=0.15), preset
+        assert forward_elements_per_token(cfg) == pytest.approx(count.elements / (2 * tokens), rel=0.15), preset
 
 
 def test_rerank_plan_scales_with_candidates_and_prices_queries():

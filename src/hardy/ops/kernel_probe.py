@@ -114,13 +114,13 @@ def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
         cos, sin = (t.to(device=device, dtype=dtype) for t in rope_tables(cfg, seq))
         rates = []
         for i in range(3 if quick else 5):
-            xi = x.detach().requires_grad_(True)
-            block.zero_grad(set_to_none=True)
             timer = GemmTimer(device)
             if forward_only:
                 with torch.no_grad(), timer:
                     block(x, cos, sin)
             else:
+                xi = x.detach().requires_grad_(True)
+                block.zero_grad(set_to_none=True)
                 with timer:
                     block(xi, cos, sin).sum().backward()
             if i:  # the first run warms the allocator and kernel selection

@@ -29,6 +29,14 @@ QUERY_TOKENS = 12
 FORWARD_ELEMENTS = {"h": 10, "f": 5, "q": 8, "kv": 8}
 
 
+def forward_elements_per_token(model: ModelConfig, devices: int = 1) -> float:
+    """Elements one token reads and writes per layer on one device outside the matmuls and attention
+    (FORWARD_ELEMENTS; the norms and residuals are replicated under tensor parallelism)."""
+    s, e = shard(model, devices), FORWARD_ELEMENTS
+    return (e["h"] * model.dim + e["f"] * math.ceil(model.ffn_dim / devices) + e["q"] * s.q_heads * model.d_head
+            + e["kv"] * s.kv_heads * model.d_head)
+
+
 @dataclass
 class RerankPlan:
     model: str
@@ -123,9 +131,7 @@ def plan_rerank(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str =
     matmul_flops = candidates * (2 * s.matmul * n + 2 * s.head * query_tokens)
     attention_flops = candidates * 4 * L * s.q_heads * dh * n * (n + 1) / 2
     flops = matmul_flops + attention_flops
-    e = FORWARD_ELEMENTS
-    elementwise_bytes = candidates * n * L * act_bytes * (
-        e["h"] * model.dim + e["f"] * math.ceil(model.ffn_dim / devices) + e["q"] * s.q_heads * dh + e["kv"] * s.kv_heads * dh)
+    elementwise_bytes = candidates * n * L * act_bytes * forward_elements_per_token(model, devices)
     attention_s = attention_flops / hw.attention_rate(compute, dh)
     elementwise_s = elementwise_bytes / hw.elementwise_rate()
     compute_s = matmul_flops / hw.gemm_rate(compute, model.dim, forward=True) + attention_s + elementwise_s
