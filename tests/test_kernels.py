@@ -247,3 +247,31 @@ def test_fused_decode_follows_new_caches_and_frees_cleared_ones(ext, int4_and_in
             finally:
                 model.clear_kv_cache()
     assert (results[0] - results[1]).norm() / results[1].norm() < 1e-3
+
+
+@pytest.mark.parametrize("bits", ["4", "8"])
+def test_fused_decode_is_the_same_on_any_number_of_threads(ext, int4_and_int8_models, bits):
+    """The stack splits each product's tiles, the attention heads and the SwiGLU blocks between the
+    threads of one parallel region (decode_layer.cpp): every output element is computed whole by one
+    thread, so 1, 2 and 3 threads (a split inside a matrix, and between matrices) give the same bits."""
+    from hardy.infer.fused_decode import decode_hidden
+
+    model = int4_and_int8_models[bits]
+    prompts = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    before, outs = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                model.setup_kv_cache(2, 32)
+                try:
+                    model.hidden_states(prompts[:, :10], 0)
+                    steps = [decode_hidden(model, prompts[:, 10 + i:11 + i], torch.tensor([10 + i, 10 + i]))
+                             for i in range(2)]
+                    outs[threads] = torch.cat(steps, dim=1)
+                finally:
+                    model.clear_kv_cache()
+    finally:
+        torch.set_num_threads(before)
+    assert outs[1].abs().sum() > 0
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])

@@ -24,8 +24,8 @@ from hardy.devices import cpu_flags
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
-# three translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
-SOURCES = [CSRC / "qgemv.cpp", CSRC / "decode_layer.cpp", CSRC / "bindings.cpp"]
+# several translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
+SOURCES = [CSRC / "qgemv.cpp", CSRC / "gguf_tiled.cpp", CSRC / "decode_layer.cpp", CSRC / "bindings.cpp"]
 HEADERS = [CSRC / "qgemv.h"]
 _module = None
 _tried = False

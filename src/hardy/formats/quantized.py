@@ -203,7 +203,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # The kernels' tiled layout (csrc/qgemv.cpp reads it; GGUF loading converts straight into it).
-TILE = 8  # rows interleaved per tile (csrc/qgemv.cpp, q4_job and q8_job)
+TILE = 8  # rows interleaved per tile (csrc/qgemv.cpp, matrix_tiles)
 
 
 def tile_codes(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 //
 // int8 weights (codes with an fp16 scale per (row, group), docs/quantization.md) and int4 weights
 // (GGUF Q4 order, fp16 scale/min per (row, group) on disk) are re-laid at load in tiles of 8
-// interleaved rows (q4_job, q8_job; hardy.compress.kernels.tile_codes).
+// interleaved rows (matrix_tiles; hardy.compress.kernels.tile_codes).
 // Activations are quantized on the fly to int8 per block of 32 (scale max|x|/127), as llama.cpp
 // does on AVX2, so the inner products run as 8-bit integer multiply-adds. With AVX2 the block dot
 // product is maddubs + madd (32 multiply-adds in two instructions), with AVX-512 VNNI one dpbusd;
@@ -10,7 +10,6 @@
 #include "qgemv.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <algorithm>
@@ -19,33 +18,6 @@
 #include <functional>
 #include <memory>
 #include <vector>
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
-#define HARDY_AVX2 1
-#endif
-
-namespace {
-
-constexpr int64_t QK = 32;
-
-inline float half_to_float(uint16_t h) {
-#ifdef HARDY_AVX2
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) { bits = sign; }
-    else {  // subnormal
-      int e = -1; uint32_t m = mant;
-      do { e++; m <<= 1; } while ((m & 0x400) == 0);
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-  } else if (exp == 31) { bits = sign | 0x7f800000u | (mant << 13); }
-  else { bits = sign | ((exp + 127 - 15) << 23) | (mant << 13); }
-  float f; std::memcpy(&f, &bits, 4); return f;
-#endif
-}
 
 // x [T, K] float -> int8 codes [T, K], per-block scale [T, K/32], per-block sum of the quantized x [T, K/32]
 void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, float* xs) {
@@ -94,6 +66,8 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, 
     }
   }
 }
+
+namespace {
 
 // The activations of one call, quantized: int8 codes, per-block scales and per-block sums (plain
 // vectors: decode makes ~120 of these per token, and tensors cost more to create).
@@ -235,41 +209,6 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   std::memcpy(y, out, valid * sizeof(float));
 }
 
-Job q4_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& scales, const at::Tensor& mins,
-           int64_t group, int64_t N, float* Y) {
-  const int64_t T = in.T, K = in.K, nb = K / QK;
-  TORCH_CHECK(tiled.dtype() == at::kByte && tiled.is_contiguous() && tiled.size(1) * 2 == K && K % QK == 0 &&
-              tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
-              "int4 weights: contiguous uint8 [rows rounded up to 8, K/2] in the tiled layout");
-  const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
-  TORCH_CHECK(group % QK == 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-              scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G && scales.size(2) == 8 &&
-              (mins.numel() == 0 || (mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
-                                     mins.is_contiguous())),
-              "int4 scales and mins: contiguous fp16 [tiles, groups, 8] (mins empty on the symmetric grid)");
-  const uint8_t* W = tiled.data_ptr<uint8_t>();
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const bool has_min = mins.numel() > 0;
-  const uint16_t* M = has_min ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
-  // Σ_g min_g · Σ_{k in g} x_k: the grid's offset needs only each group's activation sum.
-  auto xg = std::make_shared<std::vector<float>>(T * G, 0.f);
-  const float* XS = in.sums.data();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < nb; ++b) (*xg)[t * G + b / bpg] += XS[t * nb + b];
-  const int8_t* XQ = in.codes.data();
-  const float* DX = in.scales.data();
-  const auto tile = has_min ? q4_tile8<true> : q4_tile8<false>;  // the grid, chosen once per matrix
-  auto run = [=](int64_t begin, int64_t end) {
-    prefetch_start(W + begin * 4 * K, (end - begin) * 4 * K);
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t t = 0; t < T; ++t) {
-        tile(W + i * 4 * K, S + i * G * 8, has_min ? M + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
-             xg->data() + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
-      }
-  };
-  return Job{run, tiles};
-}
-
 // int8 weights (symmetric codes, an fp16 scale per (row, group)) in the same tiled layout as int4
 // (hardy.compress.kernels.tile_codes): rows in tiles of 8, each tile's block of 32 columns as 256
 // bytes where bytes [32c + 4r, 32c + 4r + 4) are row r's codes 4c..4c+3, scales [tiles, groups, 8].
@@ -326,28 +265,14 @@ inline void q8_tile8(const int8_t* W, const uint16_t* S, const int8_t* xq, const
   std::memcpy(y, out, valid * sizeof(float));
 }
 
-Job q8_job(const QuantizedInput& in, const at::Tensor& tiled, const at::Tensor& scales, int64_t group, int64_t N,
-           float* Y) {
-  const int64_t T = in.T, K = in.K, nb = K / QK;
-  TORCH_CHECK(tiled.dtype() == at::kChar && tiled.is_contiguous() && tiled.size(1) == K && K % QK == 0 &&
-              tiled.size(0) % 8 == 0 && N <= tiled.size(0) && tiled.size(0) < N + 8,
-              "int8 weights: contiguous int8 [rows rounded up to 8, K] in the tiled layout");
-  const int64_t tiles = tiled.size(0) / 8, G = (K + group - 1) / group, bpg = group / QK;
-  TORCH_CHECK(group % QK == 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-              scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == G && scales.size(2) == 8,
-              "int8 scales: contiguous fp16 [tiles, groups, 8]");
-  const int8_t* W = tiled.data_ptr<int8_t>();
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+// One matrix's tiles against the activations of one call; the job owns its group sums.
+Job matrix_job(const QuantizedInput& in, const QMatrix& m, float* Y) {
+  auto xg = std::make_shared<std::vector<float>>(m.w4 ? in.T * m.groups : 0);
+  if (m.w4) group_sums(m, in.T, in.sums.data(), xg->data());
   const int8_t* XQ = in.codes.data();
   const float* DX = in.scales.data();
-  auto run = [=](int64_t begin, int64_t end) {
-    prefetch_start(W + begin * 8 * K, (end - begin) * 8 * K);
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t t = 0; t < T; ++t)
-        q8_tile8(W + i * 8 * K, S + i * G * 8, XQ + t * K, DX + t * nb, nb, G, bpg, Y + t * N + i * 8,
-                 std::min<int64_t>(8, N - i * 8));
-  };
-  return Job{run, tiles};
+  const int64_t T = in.T;
+  return Job{[=](int64_t begin, int64_t end) { matrix_tiles(m, begin, end, T, XQ, DX, xg->data(), Y); }, m.tiles};
 }
 
 at::Tensor flat_rows(const at::Tensor& x_in) {
@@ -363,6 +288,64 @@ at::Tensor shaped(const at::Tensor& y, const at::Tensor& x_in) {
 }
 
 }  // namespace
+
+QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t group,
+                         int64_t rows) {
+  const bool int4 = qweight.scalar_type() == at::kByte;
+  QMatrix m;
+  m.K = int4 ? qweight.size(1) * 2 : qweight.size(1);
+  m.rows = rows;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && m.K % QK == 0 && qweight.size(0) % 8 == 0 &&
+              rows <= qweight.size(0) && qweight.size(0) < rows + 8 && (int4 || qweight.scalar_type() == at::kChar),
+              "quantized weights: contiguous uint8 (int4) or int8 [rows rounded up to 8, K/2 or K] in the tiled layout");
+  m.tiles = qweight.size(0) / 8;
+  m.groups = (m.K + group - 1) / group;
+  m.blocks_per_group = group / QK;
+  TORCH_CHECK(group % QK == 0 && group > 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.dim() == 3 && scales.size(0) == m.tiles && scales.size(1) == m.groups && scales.size(2) == 8 &&
+              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
+                                     mins.is_contiguous())),
+              "quantized scales and mins: contiguous fp16 [tiles, groups, 8] (mins only on the asymmetric int4 grid)");
+  m.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (int4) {
+    m.w4 = qweight.data_ptr<uint8_t>();
+    if (mins.numel()) m.mins = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  } else {
+    m.w8 = qweight.data_ptr<int8_t>();
+  }
+  return m;
+}
+
+// Σ_g min_g · Σ_{k in g} x_k: the grid's offset needs only each group's activation sum.
+void group_sums(const QMatrix& m, int64_t T, const float* block_sums, float* xg) {
+  const int64_t nb = m.K / QK, G = m.groups, bpg = m.blocks_per_group;
+  std::fill(xg, xg + T * G, 0.f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) xg[t * G + b / bpg] += block_sums[t * nb + b];
+}
+
+void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const int8_t* XQ, const float* DX,
+                  const float* xg, float* Y) {
+  if (begin >= end) return;
+  const int64_t K = m.K, nb = K / QK, G = m.groups, bpg = m.blocks_per_group, N = m.rows;
+  const uint16_t* S = m.scales;
+  if (m.w4) {
+    const uint8_t* W = m.w4;
+    prefetch_start(W + begin * 4 * K, (end - begin) * 4 * K);
+    const auto tile = m.mins ? q4_tile8<true> : q4_tile8<false>;  // the grid, chosen once per matrix
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t t = 0; t < T; ++t)
+        tile(W + i * 4 * K, S + i * G * 8, m.mins ? m.mins + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
+             xg + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
+  } else {
+    const int8_t* W = m.w8;
+    prefetch_start(W + begin * 8 * K, (end - begin) * 8 * K);
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t t = 0; t < T; ++t)
+        q8_tile8(W + i * 8 * K, S + i * G * 8, XQ + t * K, DX + t * nb, nb, G, bpg, Y + t * N + i * 8,
+                 std::min<int64_t>(8, N - i * 8));
+  }
+}
 
 // Several matrices applied to the same x [T, K]: x is quantized once and all rows share one
 // parallel region. w holds (qweight, scales, mins) per matrix (mins empty for int8), dims
@@ -386,18 +369,16 @@ std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Te
     const int64_t group = dims[2 * i], rows = dims[2 * i + 1];
     outs.push_back(at::empty({in.T, rows}, at::kFloat));
     float* Y = outs.back().data_ptr<float>();
-    if (qw.scalar_type() == at::kByte) {
-      jobs.push_back(q4_job(in, qw, w[3 * i + 1], w[3 * i + 2], group, rows, Y));
-    } else {
-      jobs.push_back(q8_job(in, qw, w[3 * i + 1], group, rows, Y));
-    }
+    const QMatrix m = quantized_matrix(qw, w[3 * i + 1], w[3 * i + 2], group, rows);
+    TORCH_CHECK(m.K == in.K, "a quantized matrix of ", m.K, " columns applied to ", in.K, " inputs");
+    jobs.push_back(matrix_job(in, m, Y));
   }
   run_jobs(jobs);
   return outs;
 }
 
 // One matrix: y[t, o] = sum_k x[t, k] * w[o, k] for o < rows, x of any leading shape [..., K];
-// int4: w = code * scale + min (tiled layout, q4_job), int8: w = code * scale (mins empty).
+// int4: w = code * scale + min (tiled layout, matrix_tiles), int8: w = code * scale (mins empty).
 at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
                  int64_t rows) {
   return shaped(qgemv_many(x, {qweight, scales, mins}, {group, rows})[0], x);
@@ -489,208 +470,6 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
         for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
     }
   });
-}
-
-// The GGUF converters' shared pieces: their input is [source rows, blocks x bytes] on the CPU and every
-// output row names a source row that exists (a tensor-parallel rank converts only its rows: fewer
-// output rows than source rows); one row's bytes of a 32-value block (hardy's stored order: 16 for
-// int4, 32 for int8) go to their places in the tile's 128 or 256, 4 bytes per 32-byte chunk.
-// Returns the number of output rows.
-static int64_t check_gguf_input(const at::Tensor& blocks, const at::Tensor& order, int64_t block_bytes,
-                                const char* what) {
-  check_on_cpu({blocks, order}, "a GGUF conversion");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % block_bytes == 0 && order.scalar_type() == at::kLong && order.dim() == 1,
-              what, ": contiguous uint8 [rows, blocks x ", block_bytes,
-              " bytes] and one int64 source row per output row");
-  const int64_t* ord = order.data_ptr<int64_t>();
-  for (int64_t i = 0, n = order.numel(); i < n; ++i)
-    TORCH_CHECK(ord[i] >= 0 && ord[i] < blocks.size(0), "source row out of range");
-  return order.numel();
-}
-
-template <int Chunks = 4>
-static inline void put_tiled(uint8_t* tile_block, int64_t lane, const uint8_t* bytes) {
-  for (int c = 0; c < Chunks; ++c) std::memcpy(tile_block + 32 * c + 4 * lane, bytes + 4 * c, 4);
-}
-
-// GGUF Q4_0 / Q4_1 blocks (fp16 d [, fp16 m], 16 bytes of nibbles; `blocks` [rows, row bytes]) straight
-// into the kernel's tiled int4 layout (tile_codes of hardy's stored layout, which is Q4_1's), output row
-// i taken from source row order[i] (the q/k unpermutation) — one pass over the file's bytes instead
-// of unpacking, re-laying and tiling in several. Q4_0 keeps its grid ((q - 8)·d: no mins, mins empty).
-std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order) {
-  const int64_t B = has_min ? 20 : 18, rows = check_gguf_input(blocks, order, B, "q4_gguf_to_tiled");
-  const int64_t nb = blocks.size(1) / B, K = nb * QK, tiles = (rows + 7) / 8;
-  auto q = at::empty({tiles * 8, K / 2}, at::kByte);
-  auto scales = at::empty({tiles, nb, 8}, at::kHalf);
-  auto mins = has_min ? at::empty({tiles, nb, 8}, at::kHalf) : at::empty({0}, at::kHalf);
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  const int64_t* ord = order.data_ptr<int64_t>();
-  uint8_t* Q = q.data_ptr<uint8_t>();
-  uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
-  uint16_t* M = has_min ? reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
-  // tile by tile, so every write is sequential: block b of the tile gathers its 8 rows' bytes
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile) {
-      const uint8_t* row[8];
-      const int64_t valid = std::min<int64_t>(8, rows - tile * 8);
-      for (int64_t lane = 0; lane < 8; ++lane) row[lane] = lane < valid ? src + ord[tile * 8 + lane] * nb * B : nullptr;
-      uint8_t* out = Q + tile * 4 * K;
-      for (int64_t b = 0; b < nb; ++b, out += 128) {
-        uint16_t* s = S + (tile * nb + b) * 8;
-        uint16_t* m = has_min ? M + (tile * nb + b) * 8 : nullptr;
-        for (int64_t lane = 0; lane < 8; ++lane) {
-          if (!row[lane]) {  // padding rows of the last tile: zero weights, scales and mins
-            for (int c = 0; c < 4; ++c) std::memset(out + 32 * c + 4 * lane, 0, 4);
-            s[lane] = 0;
-            if (m) m[lane] = 0;
-            continue;
-          }
-          const uint8_t* blk = row[lane] + b * B;
-          std::memcpy(s + lane, blk, 2);
-          if (has_min) std::memcpy(m + lane, blk + 2, 2);
-          put_tiled(out, lane, blk + (has_min ? 4 : 2));
-        }
-      }
-    }
-  });
-  return {q, scales, mins};
-}
-
-// GGUF Q8_0 blocks (fp16 d, 32 int8) straight into the kernel's tiled int8 layout: codes [rows rounded
-// up to 8, K], fp16 scales [tiles, K/32, 8], output row i from source row order[i]; padding rows zero.
-std::vector<at::Tensor> q8_gguf_to_tiled(at::Tensor blocks, at::Tensor order) {
-  const int64_t rows = check_gguf_input(blocks, order, 34, "q8_gguf_to_tiled");
-  const int64_t nb = blocks.size(1) / 34, K = nb * QK, tiles = (rows + 7) / 8;
-  auto codes = at::zeros({tiles * 8, K}, at::kChar);
-  auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  const int64_t* ord = order.data_ptr<int64_t>();
-  uint8_t* C = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
-  uint16_t* S = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
-  at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {  // tile by tile: sequential writes
-    for (int64_t tile = lo; tile < hi; ++tile)
-      for (int64_t lane = 0; lane < std::min<int64_t>(8, rows - tile * 8); ++lane) {
-        const uint8_t* row = src + ord[tile * 8 + lane] * nb * 34;
-        for (int64_t b = 0; b < nb; ++b) {
-          std::memcpy(S + (tile * nb + b) * 8 + lane, row + b * 34, 2);
-          put_tiled<8>(C + tile * 8 * K + b * 256, lane, row + b * 34 + 2);
-        }
-      }
-  });
-  return {codes, scales};
-}
-
-// GGUF Q6_K super-blocks (ql[128], qh[64], int8 scales[16], fp16 d; 256 values each) into hardy's
-// int8 g32 in the kernel's tiled layout: values d·sc·(q − 32) as llama.cpp's dequantize_row_q6_K computes them (fp32), then
-// round-to-nearest on the symmetric int8 grid per 32 values with rtn's arithmetic (scale =
-// fp16(max|v| / 127), code = round-half-even(v / scale)), so the result equals the Python path.
-std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks) {
-  check_on_cpu({blocks}, "a GGUF conversion");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % 210 == 0, "q6k_to_tiled: contiguous uint8 [rows, super-blocks x 210]");
-  const int64_t rows = blocks.size(0), nb = blocks.size(1) / 210, K = nb * 256, G = K / QK;
-  auto codes = at::zeros({(rows + 7) / 8 * 8, K}, at::kChar);
-  auto scales = at::zeros({(rows + 7) / 8, G, 8}, at::kHalf);
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* C = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
-  at::Half* S = scales.data_ptr<at::Half>();
-  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
-    float y[256];
-    for (int64_t r = lo; r < hi; ++r) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = src + (r * nb + b) * 210;
-        const uint8_t* ql = blk;
-        const uint8_t* qh = blk + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-        uint16_t dh;
-        std::memcpy(&dh, blk + 208, 2);
-        const float d = half_to_float(dh);
-        for (int n = 0; n < 2; ++n) {  // two halves of 128 values
-          float* out = y + 128 * n;
-          const uint8_t* l = ql + 64 * n;
-          const uint8_t* h = qh + 32 * n;
-          const int8_t* s = sc + 8 * n;
-          for (int i = 0; i < 32; ++i) {
-            const int is = i / 16;
-            const int q1 = (int)((l[i] & 0xF) | (((h[i] >> 0) & 3) << 4)) - 32;
-            const int q2 = (int)((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
-            out[i] = d * s[is + 0] * q1;
-            out[i + 32] = d * s[is + 2] * q2;
-            out[i + 64] = d * s[is + 4] * q3;
-            out[i + 96] = d * s[is + 6] * q4;
-          }
-        }
-        for (int g = 0; g < 256 / QK; ++g) {
-          const float* v = y + g * QK;
-          float amax = 0.f;
-          for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-          const at::Half sh = at::Half(amax / 127.f);
-          float scale = (float)sh;
-          if (scale == 0.f) scale = 1.f;
-          S[((r / 8) * G + b * 8 + g) * 8 + r % 8] = at::Half(scale);
-          int8_t c[QK];
-          for (int i = 0; i < QK; ++i)
-            c[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / scale)));
-          put_tiled<8>(C + (r / 8) * 8 * K + (b * 8 + g) * 256, r % 8, reinterpret_cast<const uint8_t*>(c));
-        }
-      }
-    }
-  });
-  return {codes, scales};
-}
-
-// GGUF Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of
-// nibbles; 256 values) into the tiled int4 g32 layout, output row i from source row order[i]: the
-// codes unchanged (re-paired into hardy's nibble order), each sub-block's scale d·sc and min
-// −dmin·m computed in fp32 as llama.cpp does and rounded to fp16 (as the numpy path rounds them).
-std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
-  const int64_t rows = check_gguf_input(blocks, order, 144, "q4k_to_tiled");
-  const int64_t nsb = blocks.size(1) / 144, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
-  auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
-  auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
-  auto mins = at::zeros({tiles, nb, 8}, at::kHalf);
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  const int64_t* ord = order.data_ptr<int64_t>();
-  uint8_t* Q = q.data_ptr<uint8_t>();
-  at::Half* S = scales.data_ptr<at::Half>();
-  at::Half* M = mins.data_ptr<at::Half>();
-  at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t tile = i / 8, lane = i % 8;
-      for (int64_t sb = 0; sb < nsb; ++sb) {
-        const uint8_t* blk = src + (ord[i] * nsb + sb) * 144;
-        uint16_t dh, mh;
-        std::memcpy(&dh, blk, 2);
-        std::memcpy(&mh, blk + 2, 2);
-        const float d = half_to_float(dh), dmin = half_to_float(mh);
-        const uint8_t* sc = blk + 4;
-        const uint8_t* qs = blk + 16;
-        for (int j = 0; j < 8; ++j) {
-          int scale, mn;
-          if (j < 4) {
-            scale = sc[j] & 63;
-            mn = sc[j + 4] & 63;
-          } else {
-            scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-            mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-          }
-          const int64_t g = sb * 8 + j;
-          S[(tile * nb + g) * 8 + lane] = at::Half(d * (float)scale);
-          M[(tile * nb + g) * 8 + lane] = at::Half(-(dmin * (float)mn));
-          const uint8_t* chunk = qs + 32 * (j / 2);
-          uint8_t stored[16];
-          for (int b = 0; b < 16; ++b)
-            stored[b] = (j % 2 == 0) ? (uint8_t)((chunk[b] & 0x0F) | ((chunk[b + 16] & 0x0F) << 4))
-                                     : (uint8_t)((chunk[b] >> 4) | (chunk[b + 16] & 0xF0));
-          put_tiled(Q + tile * 4 * K + g * 128, lane, stored);
-        }
-      }
-    }
-  });
-  return {q, scales, mins};
 }
 
 bool built_with_avx2() {

@@ -4,7 +4,58 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define HARDY_AVX2 1
+#endif
+
+constexpr int64_t QK = 32;
+
+inline float half_to_float(uint16_t h) {
+#ifdef HARDY_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) { bits = sign; }
+    else {  // subnormal
+      int e = -1; uint32_t m = mant;
+      do { e++; m <<= 1; } while ((m & 0x400) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) { bits = sign | 0x7f800000u | (mant << 13); }
+  else { bits = sign | ((exp + 127 - 15) << 23) | (mant << 13); }
+  float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+// One quantized matrix as the kernels read it: pointers into the tensors of its owner, which keeps
+// them alive. int4 (w4: GGUF Q4 nibbles) or int8 (w8) codes in tiles of 8 rows
+// (hardy.compress.kernels.tile_codes), fp16 scales [tiles, groups, 8], and mins of the same shape on
+// the asymmetric int4 grid (null on the symmetric grids).
+struct QMatrix {
+  const uint8_t* w4 = nullptr;
+  const int8_t* w8 = nullptr;
+  const uint16_t* scales = nullptr;
+  const uint16_t* mins = nullptr;
+  int64_t K = 0, rows = 0, tiles = 0, groups = 0, blocks_per_group = 0;
+  int64_t tile_bytes() const { return w4 ? 4 * K : 8 * K; }
+};
+// Checks the tensors' layout (one message naming what is wrong) and points into them.
+QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t group,
+                         int64_t rows);
+// x [T, K] -> int8 codes [T, K], a scale and the sum of the quantized values per block of 32 [T, K/32].
+// Blocks are independent: any whole-block range of a row-major [T, K] can be quantized on its own.
+void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* codes, float* block_scales, float* block_sums);
+// The per-group sums of the activations [T, groups] that an int4 matrix's offset term multiplies.
+void group_sums(const QMatrix& m, int64_t T, const float* block_sums, float* xg);
+// y[t, 8i .. 8i + 8) for the tiles i in [begin, end) and every activation row t < T (y is [T, rows]);
+// xg from group_sums (unused by int8).
+void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const int8_t* codes,
+                  const float* block_scales, const float* xg, float* y);
 
 // These kernels read host memory through data pointers: a tensor elsewhere (CUDA, meta) is refused
 // with one message instead of being read as if it were host memory.
@@ -35,4 +86,5 @@ struct DecodeStack {
   std::vector<int64_t> dims;         // per block: 7 x (group, rows)
   double eps;
   int64_t head_dim;
+  std::vector<QMatrix> mats;         // per block: q, k, v, o, gate, up, down
 };
