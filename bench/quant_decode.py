@@ -37,6 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_args(ap)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--pair", action="store_true",
+                    help="only the issue's pair: the default `hardy compress --bits 4` against llama.cpp on the shipped Q4_1")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -45,6 +47,8 @@ def main() -> None:
     from hardy.infer.generate import SamplingConfig, generate
 
     tmp = Path(tempfile.mkdtemp(prefix="hardy-qdecode-"))
+    if args.pair:
+        return pair(args, tmp)
     variants = {"hardy fp32": "smollm2-135m",
                 "hardy int8 +emb": compress_rtn("smollm2-135m", 8, 0, "same", tmp / "int8"),
                 "hardy int4 g32 +emb": compress_rtn("smollm2-135m", 4, 32, "same", tmp / "int4"),
@@ -79,20 +83,7 @@ def main() -> None:
             else:
                 src = models[source]
                 export_gguf(src.model, src.config, src.tokenizer, path, qtype)
-            llm = llama_cpp.Llama(model_path=str(path), n_threads=args.threads, n_ctx=512, verbose=False)
-
-            def run_llama(llm=llm):
-                # Decode only, like hardy's decode_tps: time from the first new token to the last;
-                # every token after the first is one llama_decode of one token (no stop at EOS).
-                llm.reset()
-                stamps = []
-                for _ in llm.generate(llm.tokenize(args.prompt.encode(), add_bos=False), temp=0.0, reset=True):
-                    stamps.append(time.perf_counter())
-                    if len(stamps) == args.new_tokens:
-                        break
-                return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-            runners[f"llama.cpp {qtype}" + ("" if source is None else " (hardy export)")] = run_llama
+            runners[f"llama.cpp {qtype}" + ("" if source is None else " (hardy export)")] = llama_runner(llama_cpp, path, args)
 
     for fn in runners.values():
         fn()  # warm-up
@@ -111,6 +102,48 @@ def main() -> None:
         if name.startswith("llama.cpp Q4"):
             for ours in ("hardy int4 g32 +emb", "hardy int4 g32 (default)", "hardy shipped Q4_1, native"):
                 print(f"  {ours} / {name}: {med[ours] / med[name]:.2f}x")
+
+
+def llama_runner(llama_cpp, path: Path, args):
+    llm = llama_cpp.Llama(model_path=str(path), n_threads=args.threads, n_ctx=512, verbose=False)
+
+    def run():
+        # Decode only, like hardy's decode_tps: time from the first new token to the last;
+        # every token after the first is one llama_decode of one token (no stop at EOS).
+        llm.reset()
+        stamps = []
+        for _ in llm.generate(llm.tokenize(args.prompt.encode(), add_bos=False), temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == args.new_tokens:
+                break
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    return run
+
+
+def pair(args, tmp: Path) -> None:
+    """The default int4 model and llama.cpp on the shipped file, alternating `--repeats` times."""
+    import llama_cpp
+
+    from hardy.infer.generate import SamplingConfig, generate
+    from hardy.loading.load import load_model, smollm2_gguf_path
+
+    ours = load_model(str(compress_rtn("smollm2-135m", 4, 32, "int8", tmp / "default")))
+    prompt = ours.tokenizer.encode(args.prompt)
+    cfg = SamplingConfig(max_new_tokens=args.new_tokens)
+    runners = {"hardy default int4": lambda: generate(ours.model, prompt, cfg).stats.decode_tps,
+               "llama.cpp shipped Q4_1": llama_runner(llama_cpp, smollm2_gguf_path(), args)}
+    for fn in runners.values():
+        fn()  # warm-up
+    rates = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            rates[name].append(fn())
+    for name, r in rates.items():
+        print(f"  {name:<24} median {statistics.median(r):6.1f} tok/s  runs " + " ".join(f"{x:.1f}" for x in r))
+    ratio = statistics.median(rates["hardy default int4"]) / statistics.median(rates["llama.cpp shipped Q4_1"])
+    print(f"  default / llama.cpp shipped Q4_1: {ratio:.2f}x ({args.repeats} alternating pairs, {args.threads} threads, "
+          f"{args.new_tokens} new tokens)")
 
 
 if __name__ == "__main__":
