@@ -249,29 +249,60 @@ def test_fused_decode_follows_new_caches_and_frees_cleared_ones(ext, int4_and_in
     assert (results[0] - results[1]).norm() / results[1].norm() < 1e-3
 
 
-@pytest.mark.parametrize("bits", ["4", "8"])
-def test_fused_decode_is_the_same_on_any_number_of_threads(ext, int4_and_int8_models, bits):
-    """The stack splits each product's tiles, the attention heads and the SwiGLU blocks between the
-    threads of one parallel region (decode_layer.cpp): every output element is computed whole by one
-    thread, so 1, 2 and 3 threads (a split inside a matrix, and between matrices) give the same bits."""
+def _mixed_model(int4_and_int8_models):
+    """The int4 model with some blocks' v and down projections int8, as a Q4_K_M file loads (its Q6_K
+    tensors become int8 g32): phases whose matrices differ in bytes per tile."""
+    import copy
+
+    source, int8 = int4_and_int8_models["4"], int4_and_int8_models["8"]
+    built = {k: source.__dict__.pop(k) for k in ("_fused_decode", "_fused_caches_memo") if k in source.__dict__}
+    try:  # the source's C++ stack and cache memo are its own (and cannot be copied)
+        model = copy.deepcopy(source)
+    finally:
+        source.__dict__.update(built)
+    for i in range(0, len(model.layers), 2):
+        model.layers[i].attention.wv = copy.deepcopy(int8.layers[i].attention.wv)
+        model.layers[i].feed_forward.w2 = copy.deepcopy(int8.layers[i].feed_forward.w2)
+    return model
+
+
+def _decode_steps(model, fused: bool, threads: int = 2) -> torch.Tensor:
+    """Two decode steps of two rows after a 10-token prefill: the fused stack's or the modules' states."""
     from hardy.infer.fused_decode import decode_hidden
 
-    model = int4_and_int8_models[bits]
     prompts = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
-    before, outs = torch.get_num_threads(), {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                model.setup_kv_cache(2, 32)
-                try:
-                    model.hidden_states(prompts[:, :10], 0)
-                    steps = [decode_hidden(model, prompts[:, 10 + i:11 + i], torch.tensor([10 + i, 10 + i]))
-                             for i in range(2)]
-                    outs[threads] = torch.cat(steps, dim=1)
-                finally:
-                    model.clear_kv_cache()
+        with torch.inference_mode():
+            model.setup_kv_cache(2, 32)
+            try:
+                model.hidden_states(prompts[:, :10], 0)
+                steps = []
+                for i in range(2):
+                    tokens, positions = prompts[:, 10 + i:11 + i], torch.tensor([10 + i, 10 + i])
+                    steps.append(decode_hidden(model, tokens, positions) if fused
+                                 else model.hidden_states(tokens, positions))
+                return torch.cat(steps, dim=1)
+            finally:
+                model.clear_kv_cache()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bits", ["4", "8", "mixed"])
+def test_fused_decode_is_the_same_on_any_number_of_threads(ext, int4_and_int8_models, bits):
+    """The stack splits each product's tiles (by bytes, across a phase's matrices), the attention heads
+    and the SwiGLU blocks between the threads of one parallel region (decode_layer.cpp): every output
+    element is computed whole by one thread, so 1, 2 and 3 threads give the same bits; with int4 and
+    int8 matrices mixed in a phase the stack still matches the modules."""
+    from hardy.infer.fused_decode import fused_blocks
+
+    model = _mixed_model(int4_and_int8_models) if bits == "mixed" else int4_and_int8_models[bits]
+    assert fused_blocks(model) is not None
+    outs = {threads: _decode_steps(model, True, threads) for threads in (1, 2, 3)}
     assert outs[1].abs().sum() > 0
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
+    if bits == "mixed":
+        modules = _decode_steps(model, False)
+        assert (outs[2] - modules).norm() / modules.norm() < 1e-3
