@@ -28,7 +28,7 @@ LAYER = {"attention.wq": "q", "attention.wk": "kv", "attention.wv": "kv", "atten
          "feed_forward.w1": "ffn", "feed_forward.w3": "ffn", "feed_forward.w2": "down"}
 
 
-def write_hf_dir(out: Path, shape_name: str, seed: int = 0) -> None:
+def write_hf_dir(out: Path, shape_name: str, seed: int = 0, layers: int | None = None) -> None:
     from hardy.formats.hf import hf_config
     from hardy.formats.lazy_weights import write_safetensors
     from hardy.loading.load import load_model
@@ -36,7 +36,7 @@ def write_hf_dir(out: Path, shape_name: str, seed: int = 0) -> None:
     from hardy.model.config import ModelConfig
 
     s = SHAPES[shape_name]
-    cfg = ModelConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["n_layers"], n_heads=s["n_heads"],
+    cfg = ModelConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=layers or s["n_layers"], n_heads=s["n_heads"],
                       n_kv_heads=s["n_kv_heads"], ffn_dim=s["ffn_dim"], rope_theta=s["rope_theta"],
                       max_seq_len=8192, tie_embeddings=False, name=shape_name)
     d, hd = cfg.dim, cfg.d_head
@@ -75,14 +75,17 @@ def main() -> None:
     ap.add_argument("--calib-samples", default="4")
     ap.add_argument("--calib-seq", default="256")
     ap.add_argument("--threads", default="2")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="blocks (default: the shape's): the shape's widths at another depth, to see whether the peak grows with it")
     args = ap.parse_args()
-    src = Path(args.dir) / f"{args.shape}-bf16"
+    name = args.shape + (f"-{args.layers}layers" if args.layers else "")
+    src = Path(args.dir) / f"{name}-bf16"
     if not (src / "config.json").exists():
         t0 = time.perf_counter()
-        write_hf_dir(src, args.shape)
+        write_hf_dir(src, args.shape, layers=args.layers)
         size = sum(f.stat().st_size for f in src.iterdir())
         print(f"wrote {src} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
-    out = Path(args.dir) / f"{args.shape}-{args.quant}-int4-g{args.group_size}"
+    out = Path(args.dir) / f"{name}-{args.quant}-int4-g{args.group_size}"
     if out.exists():
         import shutil
 

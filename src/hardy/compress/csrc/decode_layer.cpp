@@ -90,6 +90,7 @@ struct Step {
   float* xg;     // per thread: [B, most groups of any matrix]
   int64_t xg_stride;
   float* probs;  // per thread: [S]
+  const float* const* norms;  // per block: attention and FFN norm weights
 };
 
 // This thread's share of the products of `count` matrices (the same input, quantized in the Step's
@@ -161,7 +162,7 @@ void run_blocks(const DecodeStack& st, const Step& s, float* const* kcs, float* 
     const int64_t H = M[0].rows / s.hd, KVH = kv_heads[l], F = M[4].rows;
     if (tid == 0) {
       if (l > 0) add_into(s.x, s.proj, B * D);  // the previous block's FFN residual
-      rms_norm(s.x, st.norms[2 * l].data_ptr<float>(), B, D, s.eps, s.h);
+      rms_norm(s.x, s.norms[2 * l], B, D, s.eps, s.h);
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
     barrier();
@@ -187,7 +188,7 @@ void run_blocks(const DecodeStack& st, const Step& s, float* const* kcs, float* 
     barrier();
     if (tid == 0) {
       add_into(s.x, s.proj, B * D);
-      rms_norm(s.x, st.norms[2 * l + 1].data_ptr<float>(), B, D, s.eps, s.h);
+      rms_norm(s.x, s.norms[2 * l + 1], B, D, s.eps, s.h);
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
     barrier();
@@ -290,6 +291,9 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   s.xg = take(threads * s.xg_stride);
   s.probs = take(threads * S);
   s.codes = codes.data();
+  std::vector<const float*> norm_weights;
+  for (const auto& t : norms) norm_weights.push_back(t.data_ptr<float>());
+  s.norms = norm_weights.data();
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
   run_blocks(*this, s, kp.data(), vp.data(), kv_heads.data(), omp_get_thread_num(), omp_get_num_threads());

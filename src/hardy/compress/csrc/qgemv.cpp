@@ -298,10 +298,11 @@ QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, co
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && m.K % QK == 0 && qweight.size(0) % 8 == 0 &&
               rows <= qweight.size(0) && qweight.size(0) < rows + 8 && (int4 || qweight.scalar_type() == at::kChar),
               "quantized weights: contiguous uint8 (int4) or int8 [rows rounded up to 8, K/2 or K] in the tiled layout");
+  TORCH_CHECK(group > 0 && group % QK == 0, "a group width that is a multiple of 32, not ", group);
   m.tiles = qweight.size(0) / 8;
   m.groups = (m.K + group - 1) / group;
   m.blocks_per_group = group / QK;
-  TORCH_CHECK(group % QK == 0 && group > 0 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.dim() == 3 && scales.size(0) == m.tiles && scales.size(1) == m.groups && scales.size(2) == 8 &&
               (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
                                      mins.is_contiguous())),
