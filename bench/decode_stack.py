@@ -9,26 +9,15 @@ count given; the LM head alone for comparison.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_common import median_s  # noqa: E402
 from quant_decode import compress_rtn  # noqa: E402  (the default compression, as the decode bench makes it)
-
-
-def median_ms(fn, calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -50,8 +39,9 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            blocks = median_ms(lambda: stack(x, positions, model.rope_cos, model.rope_sin, keys, values), args.calls)
-            head = median_ms(lambda: model.output(h), args.calls)
+            blocks = 1e3 * median_s(lambda: stack(x, positions, model.rope_cos, model.rope_sin, keys, values),
+                                    args.calls)
+            head = 1e3 * median_s(lambda: model.output(h), args.calls)
         print(f"  {threads} threads: block stack {blocks:.2f} ms, LM head {head:.2f} ms")
 
 

@@ -11,21 +11,10 @@ integer prefill as fast as FBGEMM's would give, before any dequantization or sca
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
-
-
-def median_s(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from decode_common import median_s
 
 
 def main() -> None:

@@ -85,12 +85,7 @@ def main() -> None:
                 export_gguf(src.model, src.config, src.tokenizer, path, qtype)
             runners[f"llama.cpp {qtype}" + ("" if source is None else " (hardy export)")] = llama_runner(llama_cpp, path, args)
 
-    for fn in runners.values():
-        fn()  # warm-up
-    rates = {name: [] for name in runners}
-    for _ in range(args.repeats):
-        for name, fn in runners.items():
-            rates[name].append(fn())
+    rates = alternate(runners, args.repeats)
     med = {name: statistics.median(r) for name, r in rates.items()}
     base = med["hardy fp32"]
     print(f"SmolLM2-135M, batch 1, {args.threads} threads, {len(prompt)}-token prompt, {args.new_tokens} new tokens, "
@@ -102,6 +97,18 @@ def main() -> None:
         if name.startswith("llama.cpp Q4"):
             for ours in ("hardy int4 g32 +emb", "hardy int4 g32 (default)", "hardy shipped Q4_1, native"):
                 print(f"  {ours} / {name}: {med[ours] / med[name]:.2f}x")
+
+
+def alternate(runners: dict, repeats: int) -> dict[str, list[float]]:
+    """Each runner's results over `repeats` rounds, the runners taking turns within a round (machine
+    noise then hits all), after one warm-up call each."""
+    for fn in runners.values():
+        fn()
+    rates = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            rates[name].append(fn())
+    return rates
 
 
 def llama_runner(llama_cpp, path: Path, args):
@@ -133,12 +140,7 @@ def pair(args, tmp: Path) -> None:
     cfg = SamplingConfig(max_new_tokens=args.new_tokens)
     runners = {"hardy default int4": lambda: generate(ours.model, prompt, cfg).stats.decode_tps,
                "llama.cpp shipped Q4_1": llama_runner(llama_cpp, smollm2_gguf_path(), args)}
-    for fn in runners.values():
-        fn()  # warm-up
-    rates = {name: [] for name in runners}
-    for _ in range(args.repeats):
-        for name, fn in runners.items():
-            rates[name].append(fn())
+    rates = alternate(runners, args.repeats)
     for name, r in rates.items():
         print(f"  {name:<24} median {statistics.median(r):6.1f} tok/s  runs " + " ".join(f"{x:.1f}" for x in r))
     ratio = statistics.median(rates["hardy default int4"]) / statistics.median(rates["llama.cpp shipped Q4_1"])
