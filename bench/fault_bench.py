@@ -44,7 +44,7 @@ def bench_ckpt(args) -> None:
 
     from hardy.checkpoint.manager import CheckpointManager
     from hardy.model.config import get_preset
-    from hardy.model.llama import build_model
+    from hardy.model.transformer import build_model
 
     root = Path(tempfile.mkdtemp(prefix="hardy-ckpt-", dir=args.dir))
     config = get_preset("smollm2-135m")

@@ -98,7 +98,7 @@ def hf_gguf_tokenizer(smollm2_path):
 @pytest.fixture
 def micro_model():
     from hardy.model.config import get_preset
-    from hardy.model.llama import build_model
+    from hardy.model.transformer import build_model
 
     return build_model(get_preset("micro"), seed=0).eval()
 

@@ -9,7 +9,7 @@ import torch
 from hardy.checkpoint.manager import (MANIFEST, CheckpointCorrupt, CheckpointManager, hash_own_files,
                                       verify_manifest, write_manifest)
 from hardy.model.config import get_preset
-from hardy.model.llama import build_model
+from hardy.model.transformer import build_model
 
 
 @pytest.fixture()

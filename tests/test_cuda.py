@@ -64,7 +64,7 @@ def test_offloaded_parameters_stay_in_host_memory_while_compute_runs_on_the_gpu(
     import torch.distributed as dist
 
     from hardy.model.config import get_preset
-    from hardy.model.llama import Transformer
+    from hardy.model.transformer import Transformer
     from hardy.parallel import distributed as D
     from hardy.parallel.dims import ParallelDims
     from hardy.parallel.parallelize import assign_full_state, build_mesh, parallelize

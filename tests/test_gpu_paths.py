@@ -134,7 +134,7 @@ def test_cpu_offload_materializes_in_host_memory_under_the_policy(one_rank_group
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from hardy.model.config import get_preset
-    from hardy.model.llama import Transformer
+    from hardy.model.transformer import Transformer
     from hardy.parallel.dims import ParallelDims
     from hardy.parallel.parallelize import assign_full_state, build_mesh, parallelize
 

@@ -6,7 +6,7 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.model.config import PRESETS, ModelConfig, count_parameters, get_preset
-from hardy.model.llama import Transformer, build_model, rope_inv_freq
+from hardy.model.transformer import Transformer, build_model, rope_inv_freq
 
 PUBLISHED = {"llama3.1-8b": 8.03e9, "llama3.1-70b": 70.6e9, "llama3.1-405b": 405.9e9}
 
@@ -107,7 +107,7 @@ PUBLISHED_PARAMS = {"smollm2-135m": 134_515_008, "llama3.1-8b": 8_030_261_248, "
 def test_presets_of_real_models_have_their_published_parameter_counts():
     """Built (shapes only, on the meta device) from each preset: the published count, tied embeddings
     counted once — a wrong width, head count, FFN size, vocabulary or tying changes it."""
-    from hardy.model.llama import meta_transformer
+    from hardy.model.transformer import meta_transformer
 
     assert set(PUBLISHED_PARAMS) <= set(PRESETS)
     for name, cfg in PRESETS.items():

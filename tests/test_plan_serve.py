@@ -232,7 +232,7 @@ def test_rerank_flops_match_a_counted_forward_of_the_scoring_pass():
 
     from hardy.infer.rerank import ScoreRow, batch_tensors, target_log_likelihood
     from hardy.model.config import get_preset
-    from hardy.model.llama import build_model
+    from hardy.model.transformer import build_model
     from hardy.plan.rerank import plan_rerank
 
     cfg = get_preset("micro")
@@ -258,7 +258,7 @@ def test_rerank_elementwise_bytes_match_a_counted_block_forward():
     from torch.utils._pytree import tree_leaves
 
     from hardy.model.config import get_preset
-    from hardy.model.llama import build_model
+    from hardy.model.transformer import build_model
     from hardy.plan.rerank import forward_elements_per_token
 
     not_elementwise = {"linear", "mm", "addmm", "bmm", "scaled_dot_product_attention",
@@ -282,7 +282,7 @@ def test_rerank_elementwise_bytes_match_a_counted_block_forward():
         model.reset_rope()
         tokens = 40
         with torch.inference_mode(), Count() as count:
-            model.layers[0](torch.randn(2, tokens, cfg.dim), model.rope_cos[:tokens], model.rope_sin[:tokens], 0)
+            model.layers[0](torch.randn(2, tokens, cfg.dim), model.rotary(0, tokens, torch.float32), 0)
         assert forward_elements_per_token(cfg) == pytest.approx(count.elements / (2 * tokens), rel=0.15), preset
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hardy.model.config import ModelConfig
-from hardy.model.llama import Transformer, TransformerBlock, rope_tables
+from hardy.model.transformer import Rotary, Transformer, TransformerBlock, rope_tables
 from hardy.ops.kernel_probe import ElementwiseTraffic, layer_traffic
 from hardy.plan.arch import arch_from_llama
 from hardy.plan.hardware import get_hardware, interpolate_log
@@ -29,8 +29,7 @@ def test_layer_traffic_matches_the_count_of_hardys_operators(shape):
     batch, seq = 2, 64
     cfg = _config(*shape, seq=seq)
     block = TransformerBlock(cfg)
-    cos, sin = rope_tables(cfg, seq)
-    counted = layer_traffic(block, torch.randn(batch, seq, cfg.dim), cos, sin).bytes
+    counted = layer_traffic(block, torch.randn(batch, seq, cfg.dim), Rotary.shared(*rope_tables(cfg, seq))).bytes
     predicted = layer_elementwise_bytes(arch_from_llama(cfg), StepSetup(seq=seq, micro_batch=batch, micro_batches=1,
                                                                         precision="fp32"))
     assert predicted == pytest.approx(counted, rel=0.02)

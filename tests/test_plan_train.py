@@ -34,7 +34,7 @@ def test_parameter_counts_are_the_trainers():
 
 def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
     """Bytes autograd keeps for one transformer block, counted by storage (views deduplicated)."""
-    from hardy.model.llama import build_model
+    from hardy.model.transformer import Rotary, build_model
 
     model = build_model(cfg)
     storages = {}
@@ -46,7 +46,7 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
     x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
     cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers[0](x, cos, sin)
+        model.layers[0](x, Rotary.shared(cos, sin))
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}  # shared by all layers
     return sum(v for k, v in storages.items() if k not in skip)
@@ -217,7 +217,7 @@ def policy_saved_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from hardy.model.llama import build_model
+    from hardy.model.transformer import build_model
     from hardy.parallel.parallelize import selective_save_ops
 
     save, storages, kept = selective_save_ops(), {}, []
@@ -235,7 +235,7 @@ def policy_saved_bytes(cfg: ModelConfig, batch: int, seq: int) -> int:
     model = build_model(cfg)
     x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
     with Saved():
-        model.layers[0](x, model.rope_cos[:seq], model.rope_sin[:seq])
+        model.layers[0](x, model.rotary(0, seq, torch.float32))
     return sum(storages.values()) + x.numel() * x.element_size()
 
 

@@ -68,7 +68,7 @@ def training_state(ckpt_dir):
 
     from hardy.checkpoint.manager import verify_manifest
     from hardy.model.config import ModelConfig
-    from hardy.model.llama import Transformer
+    from hardy.model.transformer import Transformer
     from hardy.train.config import config_from_dict
     from hardy.train.setup import make_optimizer
 

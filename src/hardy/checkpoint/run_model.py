@@ -9,7 +9,7 @@ from hardy.checkpoint.manager import load_model_weights, step_dirs
 from hardy.errors import HardyError
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import ModelConfig
-from hardy.model.llama import meta_transformer
+from hardy.model.transformer import meta_transformer
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

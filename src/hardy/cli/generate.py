@@ -6,6 +6,7 @@ import sys
 
 from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
 from hardy.errors import HardyError
+from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
 from hardy.parallel.distributed import leave_together
 
@@ -16,6 +17,9 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template for --chat, instead of the model's own (or hardy's built-in one "
+                        "for a file without a template)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -36,6 +40,10 @@ def run(args) -> int:
                               top_p=args.top_p, seed=args.seed)
     if args.tp < 1:
         raise HardyError(f"--tp must be >= 1 (got {args.tp})")
+    if args.chat_template and not args.chat:
+        raise HardyError("--chat-template applies to --chat")
+    if args.chat_template:
+        read_template_file(args.chat_template)  # refused before the model loads
     if args.compile and args.tp > 1:
         raise HardyError("--compile is for one process; drop it or --tp")
     if args.tp > 1:
@@ -68,9 +76,10 @@ def run(args) -> int:
     tok = loaded.tokenizer
     text = args.prompt
     if args.chat:
+        use_chat_template(tok, args.chat_template)
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         text = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
-    prompt = tok.encode(text)
+    prompt = tok.encode_chat(text) if args.chat else tok.encode(text)
     if not args.chat:
         sys.stdout.write(args.prompt)
     stream = tok.stream_decoder()

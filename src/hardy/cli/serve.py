@@ -7,6 +7,7 @@ import threading
 
 from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
 from hardy.errors import HardyError
+from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
 from hardy.parallel.distributed import leave_together
 
@@ -50,7 +51,8 @@ def run(args) -> int:
     for key in ("header_timeout", "body_timeout", "keep_alive"):
         if not getattr(args, key) > 0:
             raise HardyError(f"--{key.replace('_', '-')} must be > 0")
-    template = read_chat_template(args.chat_template) if args.chat_template else None
+    if args.chat_template:
+        read_template_file(args.chat_template)  # refused before the model loads
     if args.tp > 1:
         from hardy.infer.tensor_parallel import cpu_only
 
@@ -64,8 +66,7 @@ def run(args) -> int:
         os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(args.drain_timeout) + 15)
         return relaunch_under_torchrun(args.tp, sys.argv[1:], args.threads)
     loaded = load_from_args(args)
-    if template is not None:
-        loaded.tokenizer.chat_template = template
+    use_chat_template(loaded.tokenizer, args.chat_template, required=False)
     use_fast_prefill(loaded)
     runner = ModelRunner
     if args.tp > 1:
@@ -92,25 +93,6 @@ def run(args) -> int:
     if args.tp > 1:
         leave_together()
     return 0
-
-
-def read_chat_template(path: str) -> str:
-    """A chat template file, refused up front (exit 2) when unreadable or not valid Jinja."""
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise HardyError(f"--chat-template {path}: cannot read it ({e})") from None
-    try:
-        ImmutableSandboxedEnvironment().parse(text)
-    except TemplateSyntaxError as e:
-        raise HardyError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
-    if not text.strip():
-        raise HardyError(f"--chat-template {path}: the file is empty")
-    return text
 
 
 def serve_http(args, engine, tokenizer) -> str | None:

@@ -21,7 +21,7 @@ from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import PackedQuant
 from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, rtn
-from hardy.model.llama import meta_transformer
+from hardy.model.transformer import meta_transformer
 
 QUANT_METHODS = ("rtn", "gptq", "awq")
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -173,7 +173,7 @@ class _InputStats:
         return (h if self.full else torch.diag(h)), torch.cat(self.samples)
 
 
-def _block_inputs(block, x, cos, sin, chunk: int, full_hessian: bool) -> dict[str, _InputStats]:
+def _block_inputs(block, x, rope, chunk: int, full_hessian: bool) -> dict[str, _InputStats]:
     """Run the block on x [n, s, dim] in chunks, recording each distinct linear input."""
     gen = torch.Generator().manual_seed(0)
     stats: dict[str, _InputStats] = {}
@@ -191,7 +191,7 @@ def _block_inputs(block, x, cos, sin, chunk: int, full_hessian: bool) -> dict[st
     try:
         with torch.no_grad():
             for i in range(0, x.shape[0], chunk):
-                block(x[i:i + chunk], cos, sin)
+                block(x[i:i + chunk], rope)
     finally:
         for h in hooks:
             h.remove()
@@ -234,20 +234,20 @@ def _apply_awq_scales(block, inputs: dict[str, tuple[torch.Tensor, torch.Tensor]
     return out_scale
 
 
-def _propagate(block, x: torch.Tensor, cos, sin, chunk: int) -> None:
+def _propagate(block, x: torch.Tensor, rope, chunk: int) -> None:
     """The calibration activations through `block` (as compressed), in place, `chunk` samples at a time."""
     for i in range(0, x.shape[0], chunk):
-        x[i:i + chunk] = block(x[i:i + chunk], cos, sin)
+        x[i:i + chunk] = block(x[i:i + chunk], rope)
 
 
-def _compress_block(block, li: int, x: torch.Tensor, cos, sin, chunk: int, cfg: CompressConfig, mcfg,
+def _compress_block(block, li: int, x: torch.Tensor, rope, chunk: int, cfg: CompressConfig, mcfg,
                     quantized: dict, reports: list, pack: bool = False) -> None:
     """Calibrate, prune, scale and quantize one block's linears on its inputs `x` (then carry `x` through
     the compressed block, in place). `pack`: keep each quantized weight packed (4-bit codes two per
     byte), not as one byte per code — the streaming path's memory."""
     spec = cfg.spec() if cfg.quant else None
     sparsity = prune.Sparsity.parse(cfg.sparsity) if cfg.prune else None
-    stats = _block_inputs(block, x, cos, sin, chunk, cfg.needs_hessian)
+    stats = _block_inputs(block, x, rope, chunk, cfg.needs_hessian)
     inputs = {k: stats.pop(k).finish() for k in list(stats)}
     originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
     masks = {}
@@ -296,7 +296,7 @@ def _compress_block(block, li: int, x: torch.Tensor, cos, sin, chunk: int, cfg: 
         reports.append(LayerReport(name=full, linear=name, output_error=error, rtn_output_error=rtn_error,
                                    sparsity=float((w_hat == 0).float().mean()) if masks else 0.0))
         lin.weight.copy_(w_hat)
-    _propagate(block, x, cos, sin, chunk)
+    _propagate(block, x, rope, chunk)
 
 
 def _calibration(cfg: CompressConfig, calib: torch.Tensor | None, mcfg) -> torch.Tensor:
@@ -331,15 +331,15 @@ def compress_model(model, cfg: CompressConfig, calib: torch.Tensor | None, progr
         calib = _calibration(cfg, calib, mcfg).to(compute_device(model))  # calibrated where the model is
         seq = calib.shape[1]
         model.reset_rope(max(seq, model._rope_len))
-        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
-        x = model.tok_embeddings(calib).float()
+        rope = model.rotary(0, seq, torch.float32)
+        x = model.embed(calib).float()
         chunk = max(1, 8192 // seq)
         bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
         for li, block in enumerate(model.layers):
             if cfg.blocks and li not in cfg.blocks:
-                _propagate(block, x, cos, sin, chunk)
+                _propagate(block, x, rope, chunk)
             else:
-                _compress_block(block, li, x, cos, sin, chunk, cfg, mcfg, quantized, reports)
+                _compress_block(block, li, x, rope, chunk, cfg, mcfg, quantized, reports)
             bar.update()
         bar.close()
         table_spec, tables = _tables(cfg, mcfg)
@@ -383,8 +383,8 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
     with torch.no_grad():
         seq = calib.shape[1]
         model.reset_rope(seq, device="cpu")
-        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
-        x = weights.get("tok_embeddings.weight", dtype=None)[calib].float()  # only the rows looked up
+        rope = model.rotary(0, seq, torch.float32)
+        x = weights.get("tok_embeddings.weight", dtype=None)[calib].float() * mcfg.embed_scale  # the rows looked up
         chunk = max(1, 8192 // seq)
         bar = tqdm(total=mcfg.n_layers, desc="compress", unit="layer", disable=not progress, leave=False)
         for li, block in enumerate(model.layers):
@@ -392,10 +392,10 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
             for name, param in block.named_parameters():
                 param.copy_(weights.get(f"layers.{li}.{name}"))
             if cfg.blocks and li not in cfg.blocks:
-                _propagate(block, x, cos, sin, chunk)
+                _propagate(block, x, rope, chunk)
                 kept = list(block.named_parameters())
             else:
-                _compress_block(block, li, x, cos, sin, chunk, cfg, mcfg, quantized, reports, pack=True)
+                _compress_block(block, li, x, rope, chunk, cfg, mcfg, quantized, reports, pack=True)
                 kept = [(n, p) for n, p in block.named_parameters() if f"layers.{li}.{n}" not in quantized]
                 if spill_dir is not None:
                     names = [n for n in quantized if n.startswith(f"layers.{li}.")]

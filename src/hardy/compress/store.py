@@ -21,13 +21,12 @@ from safetensors.torch import load_file
 
 from hardy.compress.qlinear import swap_quantized
 from hardy.errors import HardyError
-from hardy.formats.hf import config_from_hf, hf_config
+from hardy.formats.families import HFNames, config_from_hf, hf_config
 from hardy.formats.lazy_weights import SafetensorsFile, write_safetensors
-from hardy.formats.names import from_format, to_format
 from hardy.formats.quantized import QuantSpec, QuantTensor
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.fsio import atomic_directory
-from hardy.model.llama import meta_transformer
+from hardy.model.transformer import meta_transformer
 
 FORMAT = "hardy.quant/1"
 MANIFEST = "quantization.json"
@@ -86,14 +85,14 @@ def save_compressed(cfg, state: dict[str, torch.Tensor], quantized: dict[str, Qu
     with atomic_directory(out) as tmp:
         # written one tensor at a time (save_file would serialize them all into memory at once: twice
         # an 8B model's compressed size at the end of a streamed compression)
-        makers = {}
+        makers, names = {}, HFNames(cfg)
         for name, t in state.items():
             if name in quantized or (cfg.tie_embeddings and name == "output.weight"):
                 continue
-            makers[to_format(name, "hf")] = (torch.float32, tuple(t.shape),
-                                             lambda t=t: t.detach().float().contiguous().cpu())  # GPU too
+            makers[names.to_hf(name)] = (torch.float32, tuple(t.shape),  # on a GPU too
+                                         lambda t=t, name=name: names.write(name, t.detach()).float().contiguous().cpu())
         for name, qt in quantized.items():
-            base = to_format(name, "hf").removesuffix(".weight")
+            base = names.to_hf(name).removesuffix(".weight")
             for key, maker in _packed_makers(qt).items():
                 makers[f"{base}.{key}"] = maker
         entries = [(key, dtype, shape) for key, (dtype, shape, _) in makers.items()]
@@ -124,21 +123,21 @@ def load_compressed(path: str | os.PathLike):
         raise HardyError(f"{path}: unreadable compressed model ({e})") from None
     if manifest.get("format") != FORMAT:
         raise HardyError(f"{path}/{MANIFEST}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
-    quantized = {}
+    quantized, names = {}, HFNames(cfg)
     for name, info in manifest.get("tensors", {}).items():
         try:
             spec, shape = QuantSpec.from_dict(info), tuple(info["shape"])
-            base = to_format(name, "hf").removesuffix(".weight")
+            base = names.to_hf(name).removesuffix(".weight")
         except (KeyError, TypeError, ValueError):
             raise HardyError(f"{path}/{MANIFEST}: bad entry for {name}") from None
         parts = {k: raw.pop(f"{base}.{k}") for k in ("qweight", "scales", "mins") if f"{base}.{k}" in raw}
         quantized[name] = QuantTensor.from_packed(parts, spec, shape, where=f"{path}: {name}")
     state = {}
     for key, tensor in raw.items():
-        ours = from_format(key, "hf")
+        ours = names.from_hf(key)
         if ours is None:
             raise HardyError(f"{path}: unexpected tensor {key} in model.safetensors")
-        state[ours] = tensor.float()
+        state[ours] = names.read(ours, tensor).float()
     tokenizer = HardyTokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
     return cfg, state, quantized, tokenizer, manifest
 

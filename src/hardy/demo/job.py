@@ -135,7 +135,7 @@ class Demo:
     def model_config(self):
         o = self.opts
         base = get_preset(o.preset)
-        return base.replace(n_layers=o.layers, vocab_size=o.vocab, name=f"{base.name}[:{o.layers} layers]")
+        return base.first_layers(o.layers, name=f"{base.name}[:{o.layers} layers]").replace(vocab_size=o.vocab)
 
     def per_process_hardware(self):
         profile = self.results["probe"]

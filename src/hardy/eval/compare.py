@@ -76,7 +76,7 @@ def quality(models: list, tokens: list[int], ctx: int, protocol: str, bos_id: in
         for m, model in enumerate(models):
             device = compute_device(model)  # each model where it was loaded; compared on the reference's
             hidden = model.hidden_states(batch.to(device))[:, first:last + 1]
-            logp = F.log_softmax(model.output(hidden).float().flatten(0, 1), dim=-1)
+            logp = F.log_softmax(model.logits(hidden).float().flatten(0, 1), dim=-1)
             if m == 0:
                 targets = batch[:, first + 1:last + 2].flatten().to(logp.device)
             else:

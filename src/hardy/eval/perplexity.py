@@ -140,7 +140,7 @@ def chunk_batches(chunks: list[Chunk], tokens: list[int], batch_size: int, proto
 def chunk_nll(model, tokens: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """NLL of tokens[:, first+1 .. last+1] given the prefix; LM head applied to scored rows only."""
     hidden = model.hidden_states(tokens)[:, first:last + 1]
-    logits = model.output(hidden).float()
+    logits = model.logits(hidden).float()
     targets = tokens[:, first + 1:last + 2]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
 

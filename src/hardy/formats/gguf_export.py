@@ -1,9 +1,12 @@
 """Write GGUF files llama.cpp loads: `hardy export --format gguf --type F32|F16|Q8_0|Q4_0|Q4_1`.
 
-Tensor names and metadata follow llama.cpp's `llama` architecture; attn_q/attn_k rows are permuted
-to llama.cpp's interleaved rotary order; the tokenizer goes in as `gpt2`-style BPE (tokens in GPT-2's
-byte alphabet, merges, token types, BOS/EOS, `tokenizer.ggml.pre`). Norms stay F32 (llama.cpp needs
-1-D tensors in F32) and a matrix whose rows are not a multiple of the 32-value block is written F16.
+Tensor names and metadata follow llama.cpp's architecture for the model's family
+(`hardy.formats.gguf_families`: llama, qwen2, qwen3, gemma2, gemma3); a `llama` file's attn_q/attn_k
+rows are permuted to llama.cpp's interleaved rotary order. The tokenizer goes in as `gpt2`-style
+byte-level BPE (tokens in GPT-2's byte alphabet, merges, token types, BOS/EOS, `tokenizer.ggml.pre`)
+or, for a SentencePiece-style vocabulary (Gemma, Mistral), as `llama` pieces with scores and types.
+Norms and biases stay F32 (llama.cpp needs 1-D tensors in F32) and a matrix whose rows are not a
+multiple of the 32-value block is written F16.
 
 hardy's own quantized tensors are written without re-quantizing where the formats match: int4
 asymmetric group 32 *is* Q4_1, int4 symmetric group 32 *is* Q4_0 and int8 symmetric group 32 *is* Q8_0
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -23,10 +27,12 @@ import numpy as np
 import torch
 
 from hardy.errors import HardyError
+from hardy.formats.gguf_families import PERMUTED_QK, gguf_arch, write_metadata
 from hardy.formats.names import permute_qk, to_format
 from hardy.formats.quantized import QuantSpec, QuantTensor
 
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+log = logging.getLogger("hardy")
 BLOCK = 32
 
 
@@ -80,30 +86,67 @@ def _tensors(model, cfg) -> tuple[dict[str, torch.Tensor], dict[str, QuantTensor
     return floats, quantized
 
 
-def _tokenizer_metadata(writer, tokenizer) -> None:
-    backend = tokenizer.backend
-    vocab = backend.get_vocab(with_added_tokens=True)
+def _vocabulary(tokenizer) -> list[str]:
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
     tokens = [None] * (max(vocab.values()) + 1)
     for token, i in vocab.items():
         tokens[i] = token
     if any(t is None for t in tokens):
         raise HardyError("the tokenizer's ids are not contiguous; cannot write a GGUF vocabulary")
-    model = json.loads(backend.to_str())["model"]
+    return tokens
+
+
+def _byte_level_metadata(writer, tokenizer, tokens: list[str]) -> None:
+    model = json.loads(tokenizer.backend.to_str())["model"]
     if model.get("type") != "BPE":
         raise HardyError(f"GGUF export supports BPE tokenizers (this one is {model.get('type')})")
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-    types = [3 if t in special else 1 for t in tokens]  # 3 = control, 1 = normal
+    special = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special}
     writer.add_tokenizer_model("gpt2")
     # llama.cpp calls GPT-2's splitting "gpt-2" and refuses "gpt2" (runs before this fix stored that)
     writer.add_tokenizer_pre("gpt-2" if tokenizer.pre in (None, "gpt2") else tokenizer.pre)
     writer.add_token_list(tokens)
-    writer.add_token_types(types)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3 = control, 1 = normal
     writer.add_token_merges(merges)
-    if tokenizer.bos_id is not None:
-        writer.add_bos_token_id(tokenizer.bos_id)
-    if tokenizer.eos_id is not None:
-        writer.add_eos_token_id(tokenizer.eos_id)
+
+
+BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def _sentencepiece_metadata(writer, tokenizer, tokens: list[str]) -> None:
+    """Pieces, scores and types. A vocabulary read from GGUF keeps its own; one from tokenizer.json gets
+    types from its added tokens and scores from its merges (a piece's score: minus the rank of the first
+    merge that makes it), so llama.cpp's highest-score-first merging follows the merges' order."""
+    types, scores = tokenizer.types, tokenizer.scores
+    if types is None or len(types) != len(tokens):
+        added = tokenizer.backend.get_added_tokens_decoder()
+        kinds = {t.content: (3 if t.special else 4) for t in added.values()}
+        types = [kinds.get(t, 6 if BYTE_TOKEN.fullmatch(t) else 1) for t in tokens]
+    if scores is None or len(scores) != len(tokens):
+        merges = json.loads(tokenizer.backend.to_str())["model"].get("merges", [])
+        rank = {}
+        for i, m in enumerate(merges):
+            rank.setdefault("".join(m.split(" ", 1) if isinstance(m, str) else m), i)
+        scores = [-float(rank.get(t, len(merges) + i)) if ty == 1 else 0.0 for i, (t, ty) in enumerate(zip(tokens, types))]
+    prefix = tokenizer.backend.encode("a", add_special_tokens=False).tokens[:1] == ["\u2581a"] or tokenizer.add_space_prefix
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(bool(prefix))
+
+
+def _tokenizer_metadata(writer, tokenizer) -> None:
+    tokens = _vocabulary(tokenizer)
+    if tokenizer.sentencepiece:
+        _sentencepiece_metadata(writer, tokenizer, tokens)
+    else:
+        _byte_level_metadata(writer, tokenizer, tokens)
+    for add, token_id in ((writer.add_bos_token_id, tokenizer.bos_id), (writer.add_eos_token_id, tokenizer.eos_id),
+                          (writer.add_unk_token_id, tokenizer.unk_id), (writer.add_pad_token_id, tokenizer.pad_id)):
+        if token_id is not None:
+            add(token_id)
     writer.add_add_bos_token(bool(tokenizer.add_bos))
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
@@ -116,8 +159,12 @@ def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32
         raise HardyError(f"--type must be one of {', '.join(TYPES)} (got {qtype!r})")
     if tokenizer is None:
         raise HardyError("the model has no tokenizer: llama.cpp needs one in the GGUF file")
-    if cfg.rope_scaling is not None:  # llama.cpp wants a rope_freqs tensor hardy's importer cannot read back
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":  # llama.cpp wants a rope_freqs tensor
         raise HardyError("GGUF export of Llama 3.1-style RoPE scaling is not supported yet")
+    arch = gguf_arch(cfg)
+    if arch == "llama" and cfg.sliding_window:
+        log.warning("llama.cpp runs `llama` files without a sliding window: it computes this model as hardy "
+                    "does only up to %d positions", cfg.sliding_window)
     out = Path(out)
     if out.exists():
         raise HardyError(f"output {out} already exists")
@@ -128,27 +175,14 @@ def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32
     tmp = Path(tmp_name)
     counts = {"repacked": 0, "requantized": 0, "float": 0}
     try:
-        writer = gguf.GGUFWriter(str(tmp), "llama")
-        writer.add_name(cfg.name)
-        writer.add_context_length(cfg.max_seq_len)
-        writer.add_embedding_length(cfg.dim)
-        writer.add_block_count(cfg.n_layers)
-        writer.add_feed_forward_length(cfg.ffn_dim)
-        writer.add_head_count(cfg.n_heads)
-        writer.add_head_count_kv(cfg.n_kv_heads)
-        writer.add_rope_freq_base(cfg.rope_theta)
-        writer.add_layer_norm_rms_eps(cfg.norm_eps)
-        writer.add_rope_dimension_count(cfg.d_head)
-        if cfg.d_head != cfg.dim // cfg.n_heads:
-            writer.add_key_length(cfg.d_head)
-            writer.add_value_length(cfg.d_head)
-        writer.add_vocab_size(cfg.vocab_size)
-        writer.add_file_type(_file_type(qtype))
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        write_metadata(writer, cfg, _file_type(qtype))
         _tokenizer_metadata(writer, tokenizer)
         for name in sorted([*floats, *quantized], key=_order):  # disjoint: quantized layers hold no parameters
             target = to_format(name, "gguf")
-            heads = cfg.n_heads if name.endswith("attention.wq.weight") else (
-                cfg.n_kv_heads if name.endswith("attention.wk.weight") else None)
+            heads = None
+            if arch in PERMUTED_QK and name.endswith((".wq.weight", ".wq.bias", ".wk.weight", ".wk.bias")):
+                heads = cfg.n_heads if ".wq." in name else cfg.n_kv_heads
             qt = quantized.get(name)
             if qt is not None and heads:
                 qt = _permute_quant(qt, heads)

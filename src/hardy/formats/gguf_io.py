@@ -18,13 +18,11 @@ from tqdm import tqdm
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf, spec_for
 from hardy.formats.gguf_reader import GGUFFile
-from hardy.formats.names import check_weights, from_format, unpermute_qk
+from hardy.formats.names import check_weights, from_format, to_format, unpermute_qk
 from hardy.formats.quantized import QuantSpec
 from hardy.formats.tokenizer import tokenizer_from_gguf_fields
-from hardy.model.config import ModelConfig, RopeScaling
-
-SUPPORTED_ARCHITECTURES = ("llama",)
-
+from hardy.formats.gguf_families import PERMUTED_QK, config_from_gguf
+from hardy.model.config import ModelConfig
 
 def open_gguf(path: str | os.PathLike):
     """The file's header parsed (`hardy.formats.gguf_reader`); tensors are views of its memory map.
@@ -47,45 +45,22 @@ def gguf_fields(reader) -> dict:
     return reader.fields
 
 
-def config_from_gguf(fields: dict, path: Path, name: str = "custom") -> ModelConfig:
-    arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise HardyError(f"{path}: unsupported GGUF architecture {arch!r} "
-                         f"(hardy supports: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    def get(key, default=None):
-        value = fields.get(f"{arch}.{key}", default)
-        if value is None:
-            raise HardyError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    try:
-        return _config(fields, arch, get, name)
-    except HardyError as e:  # the config's own checks: say which file
-        raise HardyError(f"{path}: {e}") from None
-    except (TypeError, ValueError, ArithmeticError) as e:  # a value of the wrong type (a string for a count ...)
-        raise HardyError(f"{path}: bad model metadata ({e})") from None
+def read_config(reader, path: Path, name: str = "custom") -> ModelConfig:
+    """The model config of an opened GGUF file (tied when it has no LM head of its own)."""
+    names = [t.name for t in reader.tensors]
+    cfg = config_from_gguf(reader.fields, path, name, names)
+    return cfg.replace(tie_embeddings="output.weight" not in names)
 
 
-def _config(fields: dict, arch: str, get, name: str) -> ModelConfig:
-    n_heads = int(get("attention.head_count"))
-    dim = int(get("embedding_length"))
-    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
-    head_dim = fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count")
-    scaling = None
-    if fields.get(f"{arch}.rope.scaling.type") == "llama3" or fields.get(f"{arch}.rope.scaling.factor"):
-        scaling = RopeScaling(
-            factor=float(get("rope.scaling.factor")),
-            low_freq_factor=float(fields.get(f"{arch}.rope.scaling.low_freq_factor", 1.0)),
-            high_freq_factor=float(fields.get(f"{arch}.rope.scaling.high_freq_factor", 4.0)),
-            original_max_position=int(fields.get(f"{arch}.rope.scaling.original_context_length", 8192)))
-    return ModelConfig(
-        vocab_size=int(vocab), dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)), ffn_dim=int(get("feed_forward_length")),
-        head_dim=int(head_dim) if head_dim and int(head_dim) != dim // n_heads else None,
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_seq_len=int(get("context_length", 2048)), tie_embeddings=False, name=name)
+def qk_heads(cfg: ModelConfig, arch: str, name: str) -> int | None:
+    """The head count whose rows llama.cpp interleaved in tensor `name` (hardy name), where it did."""
+    if arch not in PERMUTED_QK:
+        return None
+    if name.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return cfg.n_heads
+    if name.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return cfg.n_kv_heads
+    return None
 
 
 def dequantize_tensor(t) -> torch.Tensor:
@@ -111,7 +86,8 @@ def check_shapes(cfg: ModelConfig, tensors, path: Path) -> None:
         if ours in shapes:
             raise HardyError(f"{path}: tensor {t.name} appears twice")
         shapes[ours] = tuple(int(d) for d in reversed(t.shape))
-    check_weights(cfg, shapes, path, optional=("output.weight",))  # untied heads are decided by its presence
+    check_weights(cfg, shapes, path, optional=("output.weight",),  # untied heads are decided by its presence
+                  describe=lambda name: to_format(name, "gguf"))
 
 
 def load_gguf(path: str | os.PathLike, name: str = "custom"):
@@ -119,7 +95,7 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
     path = Path(path)
     reader = open_gguf(path)
     fields = gguf_fields(reader)
-    cfg = config_from_gguf(fields, path, name)
+    cfg = read_config(reader, path, name)
     check_shapes(cfg, reader.tensors, path)
     tokenizer = tokenizer_from_gguf_fields(fields, path)
     state = {}
@@ -128,12 +104,8 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
         if ours is None:
             continue  # e.g. rope_freqs.weight: hardy derives the factors from metadata
         w = dequantize_tensor(t)
-        if ours.endswith("attention.wq.weight"):
-            w = unpermute_qk(w, cfg.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            w = unpermute_qk(w, cfg.n_kv_heads)
-        state[ours] = w
-    cfg = cfg.replace(tie_embeddings="output.weight" not in state)
+        heads = qk_heads(cfg, fields["general.architecture"], ours)
+        state[ours] = unpermute_qk(w, heads) if heads else w
     return cfg, state, tokenizer, fields
 
 
@@ -150,7 +122,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
     path = Path(path)
     reader = open_gguf(path)
     fields = gguf_fields(reader)
-    cfg = config_from_gguf(fields, path, name)
+    cfg = read_config(reader, path, name)
     check_shapes(cfg, reader.tensors, path)
     tokenizer = tokenizer_from_gguf_fields(fields, path)
     state, quantized, types = {}, {}, {}
@@ -158,8 +130,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
     tensors = [(t, ours) for t, ours in tensors if ours is not None]
     with _progress(len(tensors), progress, f"loading {path.name}") as bar:
         for t, ours in tensors:
-            heads = cfg.n_heads if ours.endswith("attention.wq.weight") else (
-                cfg.n_kv_heads if ours.endswith("attention.wk.weight") else None)
+            heads = qk_heads(cfg, fields["general.architecture"], ours)
             if is_quantized(t):
                 reader.prefetch(t)
                 q = packed_from_gguf(t, heads, tp_slices(ours) if tp_slices else None, converter)
@@ -171,7 +142,6 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
                 state[ours] = unpermute_qk(w, heads) if heads else w
             reader.release(t)
             bar.update(1)
-    cfg = cfg.replace(tie_embeddings="output.weight" not in state and "output.weight" not in quantized)
     return cfg, state, quantized, tokenizer, types
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from hardy.errors import HardyError
-from hardy.formats.names import from_format
+from hardy.formats.families import HFNames
 from hardy.fsio import atomic_file
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
@@ -81,10 +81,12 @@ class SafetensorsFile:
 
 
 class LazyWeights:
-    """hardy name -> tensor, read from the directory's safetensors files only when asked for."""
+    """hardy name -> tensor, read from the directory's safetensors files only when asked for. `names`
+    (hardy.formats.families.HFNames): the family's tensor names and value conventions; None: Llama's."""
 
-    def __init__(self, path: Path, files: Iterable[str]):
+    def __init__(self, path: Path, files: Iterable[str], names=None):
         self.path = Path(path)
+        self.hf_names = names or HFNames()
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, tuple[str, str]] = {}  # hardy name -> (file, key in the file)
         for name in files:
@@ -93,7 +95,7 @@ class LazyWeights:
                 raise HardyError(f"{self.path}: missing weights file {name}")
             self._files[name] = SafetensorsFile(file)
             for key in self._files[name].tensors:
-                ours = from_format(key, "hf")
+                ours = self.hf_names.from_hf(key)
                 if ours is not None:
                     self._where[ours] = (name, key)
 
@@ -112,7 +114,7 @@ class LazyWeights:
     def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """The tensor (read from the file now), converted to `dtype` (None: as stored)."""
         file, key = self._locate(name)
-        t = file.read(key)
+        t = self.hf_names.read(name, file.read(key))
         return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -121,7 +123,7 @@ class LazyWeights:
         rows = self.shape(name)[0]
         if not 0 <= start <= stop <= rows:
             raise HardyError(f"{self.path}: rows {start}:{stop} of {name} (it has {rows})")
-        return file.read(key, start, stop - start).to(dtype)
+        return self.hf_names.read(name, file.read(key, start, stop - start)).to(dtype)
 
     def shape(self, name: str) -> tuple[int, ...]:
         file, key = self._locate(name)

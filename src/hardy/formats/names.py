@@ -4,19 +4,28 @@ from __future__ import annotations
 import re
 
 from hardy.errors import HardyError
-from hardy.model.llama import meta_transformer
+from hardy.model.transformer import meta_transformer
 
-# Per-layer tensors: hardy suffix -> (GGUF suffix, HF suffix).
+# Per-layer tensors: hardy suffix -> (GGUF suffix, HF suffix, HF suffix in a family with sandwich norms:
+# Gemma calls the norm before the MLP `pre_feedforward_layernorm`, and its `post_attention_layernorm`
+# is the norm on the attention's output, where Llama's is the norm before the MLP).
 LAYER_TENSORS = {
-    "attention_norm.weight": ("attn_norm.weight", "input_layernorm.weight"),
-    "attention.wq.weight": ("attn_q.weight", "self_attn.q_proj.weight"),
-    "attention.wk.weight": ("attn_k.weight", "self_attn.k_proj.weight"),
-    "attention.wv.weight": ("attn_v.weight", "self_attn.v_proj.weight"),
-    "attention.wo.weight": ("attn_output.weight", "self_attn.o_proj.weight"),
-    "ffn_norm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    "feed_forward.w1.weight": ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    "feed_forward.w3.weight": ("ffn_up.weight", "mlp.up_proj.weight"),
-    "feed_forward.w2.weight": ("ffn_down.weight", "mlp.down_proj.weight"),
+    "attention_norm.weight": ("attn_norm.weight", "input_layernorm.weight", None),
+    "attention.wq.weight": ("attn_q.weight", "self_attn.q_proj.weight", None),
+    "attention.wk.weight": ("attn_k.weight", "self_attn.k_proj.weight", None),
+    "attention.wv.weight": ("attn_v.weight", "self_attn.v_proj.weight", None),
+    "attention.wq.bias": ("attn_q.bias", "self_attn.q_proj.bias", None),
+    "attention.wk.bias": ("attn_k.bias", "self_attn.k_proj.bias", None),
+    "attention.wv.bias": ("attn_v.bias", "self_attn.v_proj.bias", None),
+    "attention.q_norm.weight": ("attn_q_norm.weight", "self_attn.q_norm.weight", None),
+    "attention.k_norm.weight": ("attn_k_norm.weight", "self_attn.k_norm.weight", None),
+    "attention.wo.weight": ("attn_output.weight", "self_attn.o_proj.weight", None),
+    "post_attention_norm.weight": ("post_attention_norm.weight", None, "post_attention_layernorm.weight"),
+    "ffn_norm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight"),
+    "feed_forward.w1.weight": ("ffn_gate.weight", "mlp.gate_proj.weight", None),
+    "feed_forward.w3.weight": ("ffn_up.weight", "mlp.up_proj.weight", None),
+    "feed_forward.w2.weight": ("ffn_down.weight", "mlp.down_proj.weight", None),
+    "post_ffn_norm.weight": ("post_ffw_norm.weight", None, "post_feedforward_layernorm.weight"),
 }
 GLOBAL_TENSORS = {
     "tok_embeddings.weight": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -24,18 +33,26 @@ GLOBAL_TENSORS = {
     "output.weight": ("output.weight", "lm_head.weight"),
 }
 _FORMATS = {"gguf": (0, "blk.{}."), "hf": (1, "model.layers.{}.")}
+# Multimodal checkpoints keep the text model under a prefix (Gemma 3 4B and up; transformers 4 and 5
+# name it differently); their vision tower has no hardy name and is not read.
+HF_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
 
 
-def _tables(fmt: str) -> tuple[dict[str, str], dict[str, str]]:
-    col, layer_prefix = _FORMATS[fmt]
+def _tables(fmt: str, sandwich: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    col, _ = _FORMATS[fmt]
     to_fmt = {k: v[col] for k, v in GLOBAL_TENSORS.items()}
-    layer = {k: v[col] for k, v in LAYER_TENSORS.items()}
+    layer = {}
+    for k, v in LAYER_TENSORS.items():
+        name = v[2] if fmt == "hf" and sandwich and v[2] is not None else v[col]
+        if name is not None:
+            layer[k] = name
     return to_fmt, layer
 
 
-def to_format(name: str, fmt: str) -> str:
-    """hardy name -> GGUF/HF name."""
-    globals_, layer = _tables(fmt)
+def to_format(name: str, fmt: str, sandwich: bool = False) -> str:
+    """hardy name -> GGUF/HF name (`sandwich`: the HF names of a family with sandwich norms)."""
+    globals_, layer = _tables(fmt, sandwich)
     if name in globals_:
         return globals_[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -44,9 +61,14 @@ def to_format(name: str, fmt: str) -> str:
     raise KeyError(name)
 
 
-def from_format(name: str, fmt: str) -> str | None:
+def from_format(name: str, fmt: str, sandwich: bool = False) -> str | None:
     """GGUF/HF name -> hardy name, or None for tensors hardy does not use (e.g. rope_freqs)."""
-    globals_, layer = _tables(fmt)
+    if fmt == "hf":
+        for prefix, plain in HF_PREFIXES:
+            if name.startswith(prefix):
+                name = plain + name.removeprefix(prefix)
+                break
+    globals_, layer = _tables(fmt, sandwich)
     for ours, theirs in globals_.items():
         if theirs == name:
             return ours
@@ -77,19 +99,23 @@ def check_layer_count(n_layers: int, names, source) -> None:
         raise HardyError(f"{source}: the metadata says {n_layers} layers, the weights hold {len(present)}")
 
 
-def check_weights(cfg, shapes: dict[str, tuple[int, ...]], source, optional: tuple[str, ...] = ()) -> None:
+def check_weights(cfg, shapes: dict[str, tuple[int, ...]], source, optional: tuple[str, ...] = (),
+                  describe=None) -> None:
     """The weights present (hardy name -> shape) against what the config implies, before they are
     converted or loaded: a damaged head count or width fails here in one line, not inside a reshape.
-    `optional`: names that may be absent (a GGUF's LM head, absent when tied)."""
+    `optional`: names that may be absent (a GGUF's LM head, absent when tied); `describe`: hardy name ->
+    the name in the file, for the message."""
     check_layer_count(cfg.n_layers, shapes, source)
     expected = {k: tuple(v.shape) for k, v in meta_transformer(cfg).state_dict().items()}
     if cfg.tie_embeddings:
         expected.pop("output.weight", None)
     missing = sorted(set(expected) - set(shapes) - set(optional))
     unexpected = sorted(set(shapes) - set(expected))
+    shown = describe or (lambda name: name)
     if missing or unexpected:
-        detail = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+        detail = ([f"missing {[shown(n) for n in missing[:3]]}"] if missing else []) + (
+            [f"unexpected {[shown(n) for n in unexpected[:3]]}"] if unexpected else [])
         raise HardyError(f"{source}: weights do not match the model config ({'; '.join(detail)})")
     for name, shape in shapes.items():
         if shape != expected[name]:
-            raise HardyError(f"{source}: tensor {name} has shape {shape}, the config implies {expected[name]}")
+            raise HardyError(f"{source}: tensor {shown(name)} has shape {shape}, the config implies {expected[name]}")

@@ -15,7 +15,7 @@ import torch
 
 from hardy.compress.kernels import kernel_group, kernel_tensors, load
 from hardy.compress.qlinear import QuantLinear
-from hardy.model.llama import BLOCK_LINEARS, RMSNorm, TransformerBlock
+from hardy.model.transformer import BLOCK_LINEARS, RMSNorm, TransformerBlock
 
 
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -93,6 +93,6 @@ def decode_hidden(model, tokens: torch.Tensor, start_pos: int | torch.Tensor) ->
     if (views is None or last >= min(model._rope_len, views[0][0].shape[2])
             or not (model.rope_cos.dtype == torch.float32 and model.rope_cos.is_contiguous())):
         return model.hidden_states(tokens, start_pos)
-    x = model.tok_embeddings(tokens)[:, 0].float().contiguous()
+    x = model.embed(tokens)[:, 0].float().contiguous()
     x = fused(x, positions.to(torch.long).contiguous(), model.rope_cos, model.rope_sin, views[0], views[1])
     return model.norm(x)[:, None]

@@ -79,12 +79,12 @@ def next_logits(model, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
     """Logits of the last position only: the LM head (49k x 576 for SmolLM2) runs on one row.
     A cached single-token step goes through `decode_hidden` (the fused blocks where they apply)."""
     if tokens.shape[1] == 1 and model.layers[0].attention.kv_cache is not None:
-        return model.output(decode_hidden(model, tokens, start_pos)[0, -1])
-    return model.output(model.hidden_states(tokens, start_pos)[0, -1])
+        return model.logits(decode_hidden(model, tokens, start_pos)[0, -1])
+    return model.logits(model.hidden_states(tokens, start_pos)[0, -1])
 
 
 def _decode_step(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return model.output(model.hidden_states(tokens, positions)[:, -1])
+    return model.logits(model.hidden_states(tokens, positions)[:, -1])
 
 
 _compiled_steps: dict[str, object] = {}

@@ -114,7 +114,7 @@ def target_log_likelihood(model, tokens: torch.Tensor, at: torch.Tensor, targets
     """Σ log P(target) per row [B] (float64): one prefill, the LM head only where a target is predicted."""
     hidden = model.hidden_states(tokens, 0)
     picked = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
-    logp = torch.log_softmax(model.output(picked).float(), dim=-1)
+    logp = torch.log_softmax(model.logits(picked).float(), dim=-1)
     token_logp = logp.gather(2, targets[..., None])[..., 0]
     return (token_logp * mask).sum(-1).double()
 

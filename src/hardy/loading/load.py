@@ -7,7 +7,6 @@ nothing beneath it imports it (tests/test_layers.py).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +18,14 @@ from hardy.compress import kernels
 from hardy.compress.kernels import prepare
 from hardy.compress.store import is_compressed_dir, load_compressed, model_from_compressed
 from hardy.errors import HardyError
-from hardy.formats.gguf_io import config_from_gguf, gguf_fields, load_gguf, load_gguf_quantized, open_gguf
+from hardy.formats.gguf_io import load_gguf, load_gguf_quantized, open_gguf, read_config as gguf_config
 from hardy.formats.gguf_quant import is_quantized
-from hardy.formats.hf import config_from_hf, load_hf_dir
+from hardy.formats.hf import open_hf_dir, read_config
 from hardy.formats.names import check_layer_count, check_weights
 from hardy.formats.smollm2 import smollm2_gguf_path
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
-from hardy.model.llama import Transformer, meta_transformer
+from hardy.model.transformer import Transformer, meta_transformer
 
 
 @dataclass
@@ -82,14 +81,11 @@ def config_for(spec: str) -> ModelConfig:
         return PRESETS[spec]
     kind, path = resolve_source(spec)
     if kind == "gguf":
-        reader = open_gguf(path)
-        cfg = config_from_gguf(gguf_fields(reader), path, "smollm2-135m" if spec == "smollm2-135m" else path.stem)
-        tied = all(t.name != "output.weight" for t in reader.tensors)
-        return cfg.replace(tie_embeddings=tied)
+        return gguf_config(open_gguf(path), path, "smollm2-135m" if spec == "smollm2-135m" else path.stem)
     if kind == "run":
         return run_config(path)[0]
 
-    return config_from_hf(json.loads((path / "config.json").read_text()), path)
+    return read_config(path)
 
 
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
@@ -103,6 +99,23 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: s
     model.tie_weights()
     model.reset_rope()
     return model.to(device).eval()
+
+
+def model_from_weights(cfg: ModelConfig, weights, source: str, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> Transformer:
+    """The model filled tensor by tensor from lazily read files (hardy.formats.lazy_weights): each is
+    read in its stored dtype and converted to `dtype` as it is placed, so a bf16 checkpoint is never
+    widened whole (`--dtype bf16` keeps it bf16; fp32 needs the model's fp32 size, not twice that)."""
+    names = [n for n in weights.names() if not (cfg.tie_embeddings and n == "output.weight")]
+    check_weights(cfg, {n: tuple(weights.shape(n)) for n in names}, source, describe=weights.hf_names.to_hf)
+    model = meta_transformer(cfg)
+    for name in names:
+        tensor = weights.get(name, dtype=dtype).to(device)
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor))
+    model.tie_weights()
+    model.reset_rope(device=device)
+    return model.eval()
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -132,7 +145,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
             cfg, state, quantized, tokenizer, _ = load_compressed(path)
             return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
 
-        cfg, state, tokenizer = load_hf_dir(path)
+        cfg, weights, tokenizer = open_hf_dir(path)
+        model = model_from_weights(cfg, weights, str(path), dtype=dtype, device=device)
+        return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
     model = model_from_state(cfg, state, str(path), dtype=dtype, device=device)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=str(path))
 

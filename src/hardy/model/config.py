@@ -11,14 +11,22 @@ from dataclasses import dataclass, field
 from hardy.errors import HardyError
 
 
+ROPE_SCALINGS = ("llama3", "linear")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_KINDS = ("full", "sliding")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 frequency-dependent RoPE scaling (rope_type "llama3")."""
+    """RoPE frequency scaling of the full-attention layers: Llama 3.1's frequency-dependent one
+    (`kind` "llama3") or plain position interpolation (`kind` "linear": every frequency / factor, as
+    Gemma 3's larger models scale their global layers)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    kind: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,19 @@ class ModelConfig:
     # Residual dropout (on each attention and MLP output before it joins the residual stream), active
     # only in training mode: a regularizer for small models trained for several epochs on little text.
     dropout: float = 0.0
+    # --- Architecture options: the families (Qwen, Mistral, Gemma ...) are settings of one block.
+    family: str = "llama"  # the file family (HF model_type / GGUF architecture) exports write back
+    attn_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # a norm also on each sublayer's output, before the residual add (Gemma 2/3)
+    mlp_act: str = "silu"  # the MLP gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma)
+    embed_scale: float = 1.0  # the embeddings are multiplied by this (Gemma: sqrt(dim))
+    attn_scale: float | None = None  # the query scale; None: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
+    attn_softcap: float | None = None  # cap * tanh(score / cap) on attention scores (Gemma 2)
+    logit_softcap: float | None = None  # the same on the final logits (Gemma 2)
+    sliding_window: int | None = None  # how many positions (itself included) a "sliding" layer's query sees
+    layer_types: tuple[str, ...] = ()  # "full" | "sliding" per layer; () = every layer full
+    rope_local_theta: float | None = None  # the RoPE base of sliding layers (Gemma 3); None: rope_theta
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,12 +74,48 @@ class ModelConfig:
             problems.append(f"head_dim must be a positive even number (got {self.head_dim})")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1) (got {self.dropout})")
+        problems += self._architecture_problems()
         if problems:
             raise HardyError("invalid model config: " + "; ".join(problems))
+
+    def _architecture_problems(self) -> list[str]:
+        problems = []
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            problems.append(f"mlp_act must be one of {', '.join(MLP_ACTIVATIONS)} (got {self.mlp_act!r})")
+        if self.rope_scaling is not None and self.rope_scaling.kind not in ROPE_SCALINGS:
+            problems.append(f"rope scaling must be one of {', '.join(ROPE_SCALINGS)} (got {self.rope_scaling.kind!r})")
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                problems.append(f"layer_types lists {len(self.layer_types)} layers, the model has {self.n_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_KINDS))
+            if bad:
+                problems.append(f"layer_types: unknown kind {bad[0]!r} (known: {', '.join(LAYER_KINDS)})")
+            if "sliding" in self.layer_types and not (self.sliding_window or 0) > 0:
+                problems.append("sliding layers need a positive sliding_window")
+        for key in ("attn_softcap", "logit_softcap", "attn_scale"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                problems.append(f"{key} must be positive (got {value})")
+        if not self.embed_scale > 0:
+            problems.append(f"embed_scale must be positive (got {self.embed_scale})")
+        return problems
 
     @property
     def d_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's attention: "full" or "sliding" (a window of `sliding_window` positions)."""
+        return self.layer_types or ("full",) * self.n_layers
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: every earlier position)."""
+        return self.sliding_window if self.kinds[layer] == "sliding" else None
+
+    def first_layers(self, n: int, name: str | None = None) -> "ModelConfig":
+        """Only the first `n` blocks (their layer kinds kept)."""
+        return self.replace(n_layers=n, layer_types=self.layer_types[:n], name=name or self.name)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -75,6 +132,8 @@ class ModelConfig:
             raise HardyError(f"unknown model config keys: {', '.join(unknown)}")
         if isinstance(data.get("rope_scaling"), dict):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        if isinstance(data.get("layer_types"), list):
+            data["layer_types"] = tuple(data["layer_types"])
         return cls(**data)
 
 
@@ -138,8 +197,10 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
     """Exact parameter count of `Transformer(cfg)`, without building it."""
     q_out, kv_out = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
     attention = cfg.dim * q_out + 2 * cfg.dim * kv_out + q_out * cfg.dim
+    if cfg.attn_bias:
+        attention += q_out + 2 * kv_out
     mlp = 3 * cfg.dim * cfg.ffn_dim
-    layer_norms = 2 * cfg.dim
+    layer_norms = (4 if cfg.sandwich_norms else 2) * cfg.dim + (2 * cfg.d_head if cfg.qk_norm else 0)
     embedding = cfg.vocab_size * cfg.dim
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     return ParamCount(

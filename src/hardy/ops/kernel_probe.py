@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hardy.model.config import ModelConfig
-from hardy.model.llama import TransformerBlock, rope_tables
+from hardy.model.transformer import Rotary, TransformerBlock, rope_tables
 
 MiB = 1 << 20
 
@@ -111,18 +111,18 @@ def measure_layer_gemms(device: torch.device, best_flops: float, quick: bool,
                           ffn_dim=ffn, max_seq_len=seq, name="probe")
         block = TransformerBlock(cfg).to(device=device, dtype=dtype)
         x = torch.randn(tokens // seq, seq, dim, device=device, dtype=dtype)
-        cos, sin = (t.to(device=device, dtype=dtype) for t in rope_tables(cfg, seq))
+        rope = Rotary.shared(*(t.to(device=device, dtype=dtype) for t in rope_tables(cfg, seq)))
         rates = []
         for i in range(3 if quick else 5):
             timer = GemmTimer(device)
             if forward_only:
                 with torch.no_grad(), timer:
-                    block(x, cos, sin)
+                    block(x, rope)
             else:
                 xi = x.detach().requires_grad_(True)
                 block.zero_grad(set_to_none=True)
                 with timer:
-                    block(xi, cos, sin).sum().backward()
+                    block(xi, rope).sum().backward()
             if i:  # the first run warms the allocator and kernel selection
                 rates.append(timer.flops / timer.seconds)
         rate = statistics.median(rates)
@@ -196,13 +196,13 @@ class ElementwiseTraffic(TorchDispatchMode):
         return out
 
 
-def layer_traffic(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def layer_traffic(block: torch.nn.Module, x: torch.Tensor, rope: Rotary,
                   device: torch.device | None = None, timed: bool = False) -> ElementwiseTraffic:
     """One forward + backward of a transformer block under an `ElementwiseTraffic` counter."""
     x = x.detach().requires_grad_(True)
     block.zero_grad(set_to_none=True)  # a step's first backward writes gradients, it does not add them
     with ElementwiseTraffic(device, timed) as traffic:
-        block(x, cos, sin).sum().backward()
+        block(x, rope).sum().backward()
     return traffic
 
 
@@ -216,9 +216,9 @@ def measure_elementwise(device: torch.device, quick: bool) -> dict:
                       n_kv_heads=4, ffn_dim=688 if device.type == "cpu" else 5632, max_seq_len=seq, name="probe")
     block = TransformerBlock(cfg).to(device)
     x = torch.randn(batch, seq, cfg.dim, device=device)
-    cos, sin = (t.to(device) for t in rope_tables(cfg, seq))
-    layer_traffic(block, x, cos, sin)  # warm-up: allocator pools, kernel selection
-    runs = [layer_traffic(block, x, cos, sin, device, timed=True) for _ in range(2 if quick else 5)]
+    rope = Rotary.shared(*(t.to(device) for t in rope_tables(cfg, seq)))
+    layer_traffic(block, x, rope)  # warm-up: allocator pools, kernel selection
+    runs = [layer_traffic(block, x, rope, device, timed=True) for _ in range(2 if quick else 5)]
     rates = sorted(r.bytes / r.seconds for r in runs)
     return {"layer": {"dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                       "tokens": batch * seq}, "bytes": runs[0].bytes, "ops": runs[0].ops,

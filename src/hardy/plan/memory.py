@@ -10,7 +10,7 @@ Activations per layer and micro-batch, from what autograd actually keeps:
 - GPT-style (Korthikanti et al. 2022): 16-bit s·b·h·(34 + 5·a·s/h); built here from its parts so
   tensor/sequence parallelism, recompute, dropout and the activation dtype are explicit.
 - hardy's Llama (SwiGLU, GQA, flash-attention SDPA that keeps no s×s matrix), counted from the
-  tensors autograd saves in `model/llama.py` (checked by `tests/test_plan_train.py`):
+  tensors autograd saves in `model/transformer.py` (checked by `tests/test_plan_train.py`):
   per token, in the activation dtype, 3h per RMSNorm (input, normalized, scaled output) ×2,
   q and the attention output (a·d_h each), k and v (n_kv·d_h each), 4f for the SwiGLU MLP
   (gate, silu(gate), up, their product); plus fp32 per token: two RMSNorm 1/rms and a

@@ -23,7 +23,7 @@ from hardy.plan.weights import WeightLayout
 TEMPLATE_TOKENS = 16
 QUERY_TOKENS = 12
 # Elements each token reads and writes per layer outside the matmuls and attention in hardy's
-# forward (model/llama.py), by the width they scale with: two RMSNorms and two residual adds (h),
+# forward (model/transformer.py), by the width they scale with: two RMSNorms and two residual adds (h),
 # SiLU(gate) · up (ffn), rotary embedding of q and k (its halves' negation, concatenation, two
 # products and a sum).
 FORWARD_ELEMENTS = {"h": 10, "f": 5, "q": 8, "kv": 8}

@@ -186,7 +186,7 @@ class _Api:
         else:
             text = body.text()
         try:
-            prompt = tok.encode(text)
+            prompt = tok.encode_chat(text) if chat else tok.encode(text)
         except HardyError as e:
             raise ApiError(400, str(e), "invalid_request_error") from None
         limit = self.max_tokens_limit

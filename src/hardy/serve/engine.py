@@ -125,7 +125,7 @@ class ModelRunner:
         for layer, cache in zip(self.model.layers, self._caches):
             layer.attention.kv_cache = cache.rows(row, row + 1)
         try:
-            return self.model.output(self.model.hidden_states(prompt.to(self.device), 0)[0, -1])
+            return self.model.logits(self.model.hidden_states(prompt.to(self.device), 0)[0, -1])
         finally:
             for layer, cache in zip(self.model.layers, self._caches):
                 layer.attention.kv_cache = cache
@@ -135,7 +135,7 @@ class ModelRunner:
         """One token per row (tokens [n, 1] at positions [n]) for cache rows 0..n-1; logits [n, V]."""
         self._maybe_fail("decode")
         tokens, positions = tokens.to(self.device), positions.to(self.device)
-        return self.model.output(decode_hidden(self.model, tokens, positions)[:, -1])
+        return self.model.logits(decode_hidden(self.model, tokens, positions)[:, -1])
 
     @torch.inference_mode()
     def score_batch(self, tokens: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,

@@ -56,7 +56,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig
         return mcfg.replace(dropout=cfg.model.dropout), loaded.model.state_dict()
     mcfg = get_preset(cfg.model.preset)
     if cfg.model.n_layers:
-        mcfg = mcfg.replace(n_layers=cfg.model.n_layers, name=f"{mcfg.name}[:{cfg.model.n_layers} layers]")
+        mcfg = mcfg.first_layers(cfg.model.n_layers, name=f"{mcfg.name}[:{cfg.model.n_layers} layers]")
     # the vocabulary comes from the data's tokenizer; dropout is a training choice
     return mcfg.replace(vocab_size=vocab_size, dropout=cfg.model.dropout), None
 

@@ -28,7 +28,7 @@ from hardy.fault.straggler import StragglerMonitor
 from hardy.fault.watchdog import Watchdog
 from hardy.fsio import write_json_atomic
 from hardy.model.config import count_parameters, flops_per_token
-from hardy.model.llama import meta_transformer
+from hardy.model.transformer import meta_transformer
 from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
 from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
 from hardy.ops.telemetry import TelemetrySampler, Thresholds, device_sensors

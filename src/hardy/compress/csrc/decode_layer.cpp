@@ -1,7 +1,7 @@
 // All transformer blocks for decoding (one new token per row) in a single call (DecodeStack): per
 // block RMSNorm, the seven quantized products (qgemv.cpp), rotary embedding, the KV-cache write,
 // causal attention over each row's own cached positions, SwiGLU and both residuals. The same
-// arithmetic as the module path (hardy.model.llama with QuantLinear layers) without ~25
+// arithmetic as the module path (hardy.model.transformer with QuantLinear layers) without ~25
 // Python-level operator calls per block, which at SmolLM2's size cost more than the weights' own
 // reading (docs/quantization.md).
 //

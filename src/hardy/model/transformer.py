@@ -1,4 +1,9 @@
-"""Llama-family decoder: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention, SwiGLU MLP.
+"""The decoder-only transformer every supported family is a configuration of (`ModelConfig`): RMSNorm,
+RoPE (Llama 3.1 or linear scaling; a second base for sliding layers), GQA attention with optional
+q/k/v biases, per-head q/k norms, a sliding window per layer, a query scale and score soft-capping,
+a gated MLP (SwiGLU or GELU-tanh), optional norms on each sublayer's output, scaled embeddings and
+soft-capped logits. Llama, Mistral, Qwen2/3 and Gemma 3 differ only in those settings; which file
+keys set them lives in `hardy.formats.families`.
 
 No distributed code lives here. Parallelism, activation checkpointing and compilation are
 applied from outside (see `hardy.parallel`) on a model built on the meta device and then
@@ -8,6 +13,7 @@ count so that tensor-parallel shards (fewer local heads) run through the same co
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +27,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
+    if scaling.kind == "linear":  # position interpolation: positions / factor
+        return (inv_freq / scaling.factor).float()
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
@@ -33,19 +41,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(mid, blended, scaled).float()
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [seq_len, head_dim] in the "rotate half" layout used by HF checkpoints."""
-    inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling).to(device)
+def rope_tables(cfg: ModelConfig, seq_len: int, device=None, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [seq_len, head_dim] in the "rotate half" layout used by HF checkpoints; `local`:
+    those of the sliding layers (their own base, unscaled, where the config gives one)."""
+    if local and cfg.rope_local_theta is not None:
+        inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_local_theta, None)
+    else:
+        inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(positions, inv_freq)
+    freqs = torch.outer(positions, inv_freq.to(device))
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+class Rotary(NamedTuple):
+    """The rotary tables a forward pass uses, already at its positions: the full-attention layers'
+    and the sliding layers' (the same tensors unless the config gives sliding layers their own base)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local_cos: torch.Tensor
+    local_sin: torch.Tensor
+
+    @classmethod
+    def shared(cls, cos: torch.Tensor, sin: torch.Tensor) -> "Rotary":
+        return cls(cos, sin, cos, sin)
+
+    def of(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.local_cos, self.local_sin) if kind == "sliding" else (self.cos, self.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap): bounded scores (Gemma 2); `cap` None: x unchanged."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class RMSNorm(nn.Module):
@@ -101,14 +135,47 @@ class KVCache(nn.Module):
         return self.k[:b, :, :end], self.v[:b, :, :end]
 
 
+def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: [..., queries, k_len] booleans for query positions `q_pos`
+    [..., queries]: every earlier position and itself, within the last `window` positions if given."""
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    allowed = k_pos <= q_pos[..., None]
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos[..., None] - window)
+    return allowed
+
+
+def attend(q, k, v, mask, causal: bool, scale: float | None, cap: float | None) -> torch.Tensor:
+    """softmax(q·kᵀ · scale [soft-capped], masked) · v with grouped KV heads."""
+    if cap is None:
+        # GQA inside the kernel: no repeated copies of K/V (and none to sum back in backward).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    groups = q.shape[1] // k.shape[1]  # SDPA has no soft-cap: the scores are computed here
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = softcap((q @ k.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5), cap)
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.head_dim = cfg.d_head
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.d_head, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.d_head, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.d_head, bias=False)
+        self.window = cfg.window(layer)
+        self.scale, self.cap = cfg.attn_scale, cfg.attn_softcap
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.d_head, bias=cfg.attn_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.d_head, bias=cfg.attn_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.d_head, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.d_head, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -117,21 +184,21 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, s > 1
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(start_pos, k, v)
-            if isinstance(start_pos, torch.Tensor):  # batched decode: row i sees keys 0 .. start_pos[i]
-                positions = torch.arange(k.shape[2], device=x.device)
-                mask = (positions[None, :] <= start_pos[:, None])[:, None, None, :]
-                causal = False
-            elif s > 1 and start_pos > 0:
-                # Prefill that continues an existing cache: query i sees keys up to start_pos + i.
-                mask = torch.ones(s, start_pos + s, dtype=torch.bool, device=x.device).tril(start_pos)
-                causal = False
-        # GQA inside the kernel: no repeated copies of K/V (and none to sum back in backward).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        keys, windowed = k.shape[2], self.window is not None and self.window < k.shape[2]
+        if isinstance(start_pos, torch.Tensor):  # batched decode: row i sees keys up to start_pos[i]
+            mask, causal = attention_mask(start_pos[:, None, None], keys, self.window), False
+        elif s == 1 and not windowed:  # one new token sees every key
+            causal = False
+        elif keys != s or windowed:  # a prefill that continues a cache, or a window: explicit positions
+            q_pos = torch.arange(start_pos, start_pos + s, device=x.device)
+            mask, causal = attention_mask(q_pos, keys, self.window), False
+        y = attend(q, k, v, mask, causal, self.scale, self.cap)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -141,9 +208,12 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        self.act = cfg.mlp_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.w2(gate * self.w3(x))
 
 
 # Every linear of a block, in the order its forward reads them (the fused decode block,
@@ -153,22 +223,32 @@ BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.kind = cfg.kinds[layer]
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
+        # Gemma 2/3: each sublayer's output is normalized again before it joins the residual stream
+        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norms else None
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norms else None
         self.dropout = cfg.dropout
 
     def _drop(self, y: torch.Tensor) -> torch.Tensor:
         # p = 0 calls nothing, so a model without dropout draws no random numbers and runs the same graph
         return F.dropout(y, self.dropout, training=True) if self.training and self.dropout else y
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                start_pos: int | torch.Tensor = 0) -> torch.Tensor:
-        h = x + self._drop(self.attention(self.attention_norm(x), cos, sin, start_pos))
-        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+    def forward(self, x: torch.Tensor, rope: Rotary, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+        cos, sin = rope.of(self.kind)
+        a = self.attention(self.attention_norm(x), cos, sin, start_pos)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + self._drop(a)
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        return h + self._drop(f)
 
 
 class Transformer(nn.Module):
@@ -176,15 +256,16 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
         self._rope_len = 0
         # empty until reset_rope() sizes them (computing even a 0-row table on the meta device would
-        # run arange's Python reference, ~1 s of one-time imports)
-        self.register_buffer("rope_cos", torch.empty(0, cfg.d_head), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0, cfg.d_head), persistent=False)
+        # run arange's Python reference, ~1 s of one-time imports); the local ones stay empty unless
+        # sliding layers have a base of their own
+        for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
+            self.register_buffer(name, torch.empty(0, cfg.d_head), persistent=False)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:
@@ -200,6 +281,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 yield name, torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                yield name, torch.zeros(p.shape)
             else:
                 scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
                 yield name, torch.randn(p.shape, generator=gen) * scale
@@ -213,6 +296,11 @@ class Transformer(nn.Module):
             params[name].copy_(value)
         self.reset_rope()
 
+    @property
+    def local_rope(self) -> bool:
+        """Do the sliding layers have rotary tables of their own?"""
+        return self.cfg.rope_local_theta is not None and "sliding" in self.cfg.kinds
+
     def reset_rope(self, seq_len: int | None = None, device: torch.device | str | None = None) -> None:
         """(Re)build the rotary tables; cheap, grows on demand. They stay where the forward runs: on
         `device`, else where they already are (parameters may live elsewhere: FSDP2's CPU offload)."""
@@ -223,26 +311,62 @@ class Transformer(nn.Module):
                 device = self.norm.weight.device
             if device.type == "meta":  # a model not materialized yet: real tables on the default device
                 device = None
-        cos, sin = rope_tables(self.cfg, seq_len, device)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, seq_len, device)
+        if self.local_rope:
+            self.rope_cos_local, self.rope_sin_local = rope_tables(self.cfg, seq_len, device, local=True)
+        else:  # unused, but off the meta device like the rest of the model
+            self.rope_cos_local = self.rope_sin_local = self.rope_cos.new_empty(0, self.cfg.d_head)
         self._rope_len = seq_len
 
+    def rotary(self, start_pos: int | torch.Tensor, end: int, dtype: torch.dtype) -> Rotary:
+        """The tables at positions [start_pos, end), or at each row's one position (a [batch] tensor:
+        then [batch, 1 (heads), 1 (seq), head_dim], broadcasting against q/k)."""
+        def at(table: torch.Tensor) -> torch.Tensor:
+            if isinstance(start_pos, torch.Tensor):
+                return table[start_pos][:, None, None, :].to(dtype)
+            return table[start_pos:end].to(dtype)
+
+        cos, sin = at(self.rope_cos), at(self.rope_sin)
+        if not self.local_rope:
+            return Rotary.shared(cos, sin)
+        return Rotary(cos, sin, at(self.rope_cos_local), at(self.rope_sin_local))
+
     def setup_kv_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+        """A static cache [batch, max_seq] per layer (compiled decoding, tests); generation and serving
+        use the paged one (hardy.infer.kv)."""
         dtype = dtype or self.norm.weight.dtype
         device = self.rope_cos.device  # where the forward runs
+        for layer, heads in zip(self.layers, self.local_kv_heads()):
+            layer.attention.kv_cache = KVCache(batch, heads, max_seq, layer.attention.head_dim, dtype, device)
+        if self._rope_len < max_seq:
+            self.reset_rope(max_seq)
+
+    def local_kv_heads(self) -> list[int]:
+        """The KV heads each block holds in this process (fewer on a tensor-parallel shard)."""
+        heads = []
         for layer in self.layers:
             wk = layer.attention.wk  # a quantized layer (hardy.compress) keeps no float weight
             rows = wk.weight.shape[0] if hasattr(wk, "weight") else wk.out_features
             if hasattr(wk, "weight") and hasattr(wk.weight, "to_local"):  # sharded by a parallelize step
                 rows = wk.weight.to_local().shape[0]
-            n_kv_local = rows // layer.attention.head_dim
-            layer.attention.kv_cache = KVCache(batch, n_kv_local, max_seq, layer.attention.head_dim, dtype, device)
-        if self._rope_len < max_seq:
-            self.reset_rope(max_seq)
+            heads.append(rows // layer.attention.head_dim)
+        return heads
 
     def clear_kv_cache(self) -> None:
         for layer in self.layers:
             layer.attention.kv_cache = None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token embeddings, scaled where the family scales them (Gemma: by sqrt(dim), the factor
+        rounded to the embeddings' dtype as its reference implementation does)."""
+        h = self.tok_embeddings(tokens)
+        if self.cfg.embed_scale != 1.0:
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states (soft-capped where the family caps them)."""
+        return softcap(self.output(h), self.cfg.logit_softcap)
 
     def hidden_states(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
         """Final normalized hidden states [batch, seq, dim] (the LM head is applied separately).
@@ -259,23 +383,20 @@ class Transformer(nn.Module):
             if end > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {end} positions exceeds max_seq_len {self.cfg.max_seq_len}")
             self.reset_rope(max(end, min(2 * self._rope_len, self.cfg.max_seq_len)))
-        if per_row:  # [batch, 1 (heads), 1 (seq), head_dim]: broadcasts against q/k
-            cos = self.rope_cos[start_pos][:, None, None, :].to(self.norm.weight.dtype)
-            sin = self.rope_sin[start_pos][:, None, None, :].to(self.norm.weight.dtype)
-        else:
-            cos = self.rope_cos[start_pos:end].to(self.norm.weight.dtype)
-            sin = self.rope_sin[start_pos:end].to(self.norm.weight.dtype)
-        h = self.tok_embeddings(tokens)
+        rope = self.rotary(start_pos, end, self.norm.weight.dtype)
+        h = self.embed(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, start_pos)
+            h = layer(h, rope, start_pos)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, start_pos: int | torch.Tensor = 0, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab]; with `targets`, the mean next-token loss instead (no full logits)."""
         h = self.hidden_states(tokens, start_pos)
         if targets is not None:
+            if self.cfg.logit_softcap is not None:  # the fused loss has no soft-cap: full logits
+                return F.cross_entropy(self.logits(h).flatten(0, 1).float(), targets.flatten())
             return linear_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten())
-        return self.output(h)
+        return self.logits(h)
 
 
 _INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
