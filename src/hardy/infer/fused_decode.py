@@ -38,7 +38,10 @@ def fused_blocks(model) -> tuple | None:
 
     module = load()
     fused = None
-    if module is not None and hasattr(module, "DecodeStack") and model.norm.weight.dtype == torch.float32:
+    c = model.cfg
+    plain = not (c.attn_bias or c.qk_norm or c.sandwich_norms or c.mlp_act != "silu" or c.attn_scale is not None
+                 or c.attn_softcap or c.sliding_window or c.rope_local_theta is not None)
+    if plain and module is not None and hasattr(module, "DecodeStack") and model.norm.weight.dtype == torch.float32:
         tensors, dims, norms = [], [], []
         for block in model.layers:
             args = _block_args(block) if isinstance(block, TransformerBlock) else None
