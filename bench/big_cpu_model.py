@@ -78,7 +78,7 @@ def write_gguf(path: Path, shape_name: str, qtype: str, seed: int = 0) -> None:
     import gguf
 
     from hardy.formats.gguf_io import open_gguf
-    from hardy.loading.load import smollm2_gguf_path
+    from hardy.formats.packaged import smollm2_gguf_path
 
     shape = SHAPES[shape_name]
     fields = open_gguf(smollm2_gguf_path()).fields

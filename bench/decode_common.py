@@ -18,7 +18,7 @@ def transformers_smollm2(prompt: list[int], new_tokens: int, pad_id: int | None)
     import torch
     import transformers
 
-    from hardy.loading.load import smollm2_gguf_path
+    from hardy.formats.packaged import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

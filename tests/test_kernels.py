@@ -144,16 +144,19 @@ def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, 
 
 
 def test_kv_cached_decode_matches_uncached_logits(mini_run):
+    from hardy.infer.kv import PagedKVCache
     from hardy.loading.load import load_model
 
     model = load_model(str(mini_run / "run")).model
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens)
-        model.setup_kv_cache(1, 40)
+        cache = PagedKVCache(model, 1, 40, torch.float32)
         try:
+            cache.pool.reserve(0, 24)
             steps = [model(tokens[:, :24])]
             for i in range(24, 40):
+                cache.pool.reserve(0, i + 1)
                 steps.append(model(tokens[:, i:i + 1], start_pos=i))
         finally:
             model.clear_kv_cache()
@@ -169,81 +172,91 @@ def int4_and_int8_models(mini_compressed):
             for bits, group in (("4", "32"), ("8", "0"))}
 
 
+def _batched_decode(model, prompts, lengths, fused: bool, kv_dtype, steps: int = 5) -> torch.Tensor:
+    """Prefill each row alone (as the engine does), then `steps` batched decode steps of all rows at
+    their own positions, feeding back each row's argmax: the logits [steps, rows, vocab]."""
+    from hardy.infer.fused_decode import decode_hidden
+    from hardy.infer.kv import PagedKVCache
+
+    cache = PagedKVCache(model, len(lengths), 64, kv_dtype)
+    try:
+        with torch.inference_mode():
+            for row, n in enumerate(lengths):
+                cache.pool.reserve(row, n)
+                cache.use([row])
+                model.hidden_states(prompts[row:row + 1, :n], 0)
+            cache.use(list(range(len(lengths))))
+            positions, tokens, out = torch.tensor(lengths), prompts[:, -1:], []
+            for _ in range(steps):
+                for row, p in enumerate(positions.tolist()):
+                    cache.pool.reserve(row, p + 1)
+                h = decode_hidden(model, tokens, positions) if fused else model.hidden_states(tokens, positions)
+                out.append(model.logits(h[:, -1]))
+                tokens, positions = out[-1].argmax(-1, keepdim=True), positions + 1
+            return torch.stack(out)
+    finally:
+        model.clear_kv_cache()
+
+
 @pytest.mark.parametrize("bits", ["4", "8"])
-def test_fused_decode_block_matches_the_modules(ext, int4_and_int8_models, bits):
-    """The one-call C++ block (decode_layer.cpp) against the model's own modules running the same
-    kernels: per-row positions (the serving engine's batched decode) and a greedy generation."""
-    from hardy.infer.fused_decode import decode_hidden, fused_blocks
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16"])
+def test_fused_decode_block_matches_the_modules(ext, int4_and_int8_models, bits, kv):
+    """The one-call C++ block stack (decode_layer.cpp) against the model's own modules running the same
+    kernels over the same paged cache: per-row positions (the serving engine's batched decode) and a
+    greedy generation; the cache in fp32, bf16 or fp16 (the stack reads its blocks in place)."""
+    from hardy.infer.fused_decode import fused_blocks
     from hardy.infer.generate import SamplingConfig, generate
+    from hardy.infer.kv import KV_DTYPES
 
     model = int4_and_int8_models[bits]
     assert fused_blocks(model) is not None
     prompts = torch.randint(0, model.cfg.vocab_size, (3, 30), generator=torch.Generator().manual_seed(1))
     lengths = [30, 11, 23]  # rows at different positions
-    with torch.inference_mode():
-        outs = {}
-        for path in ("fused", "modules"):
-            model.setup_kv_cache(3, 64)
-            try:
-                for row, n in enumerate(lengths):  # prefill each row alone (as the engine does)
-                    caches = [layer.attention.kv_cache for layer in model.layers]
-                    for layer, cache in zip(model.layers, caches):
-                        layer.attention.kv_cache = cache.rows(row, row + 1)
-                    model.hidden_states(prompts[row:row + 1, :n], 0)
-                    for layer, cache in zip(model.layers, caches):
-                        layer.attention.kv_cache = cache
-                positions = torch.tensor(lengths)
-                tokens = prompts[:, -1:]
-                steps = []
-                for _ in range(5):
-                    h = (decode_hidden(model, tokens, positions) if path == "fused"
-                         else model.hidden_states(tokens, positions))
-                    logits = model.output(h[:, -1])
-                    steps.append(logits)
-                    tokens, positions = logits.argmax(-1, keepdim=True), positions + 1
-                outs[path] = torch.stack(steps)
-            finally:
-                model.clear_kv_cache()
-    fused, modules = outs["fused"], outs["modules"]
+    fused = _batched_decode(model, prompts, lengths, True, KV_DTYPES[kv])
+    modules = _batched_decode(model, prompts, lengths, False, KV_DTYPES[kv])
     # Not bit-equal: norms and attention sum in another order, and a last-bit difference in an input
     # can flip one int8 activation code (measured ~1e-4); a wrong rope, mask or cache write is >1e-2.
     assert (fused - modules).norm() / modules.norm() < 1e-3
     prompt = prompts[0, :8].tolist()
-    fast = generate(model, prompt, SamplingConfig(max_new_tokens=24)).tokens
+    fast = generate(model, prompt, SamplingConfig(max_new_tokens=24), kv_dtype=KV_DTYPES[kv]).tokens
     saved = model._fused_decode
     model._fused_decode = None  # the module path
     try:
-        slow = generate(model, prompt, SamplingConfig(max_new_tokens=24)).tokens
+        slow = generate(model, prompt, SamplingConfig(max_new_tokens=24), kv_dtype=KV_DTYPES[kv]).tokens
     finally:
         model._fused_decode = saved
     assert fast == slow
 
 
-def test_fused_decode_follows_new_caches_and_frees_cleared_ones(ext, int4_and_int8_models):
-    """decode_hidden remembers the last caches' K/V views (a per-step check cost ~0.4 ms at SmolLM2's
-    depth): a new cache must be used, not the remembered one, and a cleared one must be freed."""
+def test_a_cleared_cache_is_freed_and_a_new_one_read(ext, int4_and_int8_models):
+    """The stack reads whatever pool the model's attention holds at each step: a cleared one is freed
+    (nothing keeps it alive), and a new one of another length is the one written and read."""
     import gc
     import weakref
 
     from hardy.infer.fused_decode import decode_hidden
+    from hardy.infer.kv import PagedKVCache
 
     model = int4_and_int8_models["4"]
     prompt = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        model.setup_kv_cache(1, 16)
+        cache = PagedKVCache(model, 1, 16, torch.float32)
+        cache.pool.reserve(0, 9)
         model.hidden_states(prompt[:, :8], 0)
         decode_hidden(model, prompt[:, 8:], 8)
-        old = weakref.ref(model.layers[0].attention.kv_cache.k)
+        old = weakref.ref(cache.pool.blocks)
         model.clear_kv_cache()
+        del cache
         gc.collect()
-        assert old() is None  # the memo holds no strong reference to a cleared cache
+        assert old() is None
         results = []
         for path in ("fused", "modules"):
-            model.setup_kv_cache(1, 24)  # new caches, another length: a stale view would be written and read
+            cache = PagedKVCache(model, 1, 24, torch.float32)  # a stale pool would be written and read
+            cache.pool.reserve(0, 9)
             try:
                 model.hidden_states(prompt[:, :8], 0)
-                step = decode_hidden if path == "fused" else model.hidden_states
-                results.append(step(model, prompt[:, 8:], 8) if path == "fused" else step(prompt[:, 8:], 8))
+                results.append(decode_hidden(model, prompt[:, 8:], 8) if path == "fused"
+                               else model.hidden_states(prompt[:, 8:], 8))
             finally:
                 model.clear_kv_cache()
     assert (results[0] - results[1]).norm() / results[1].norm() < 1e-3
@@ -269,14 +282,18 @@ def _mixed_model(int4_and_int8_models):
 def _decode_steps(model, fused: bool, threads: int = 2) -> torch.Tensor:
     """Two decode steps of two rows after a 10-token prefill: the fused stack's or the modules' states."""
     from hardy.infer.fused_decode import decode_hidden
+    from hardy.infer.kv import PagedKVCache
 
     prompts = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            model.setup_kv_cache(2, 32)
+            cache = PagedKVCache(model, 2, 32, torch.float32)
             try:
+                for row in range(2):
+                    cache.pool.reserve(row, 12)
+                cache.use([0, 1])
                 model.hidden_states(prompts[:, :10], 0)
                 steps = []
                 for i in range(2):

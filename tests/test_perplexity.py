@@ -25,6 +25,9 @@ class TableModel(nn.Module):
         self.seen.append(tokens.clone())
         return self.table[tokens]
 
+    def logits(self, hidden):
+        return self.output(hidden)
+
 
 def test_llamacpp_chunking_ctx512():
     chunks = plan_chunks(1100, 512, "llama.cpp")

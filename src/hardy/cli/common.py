@@ -92,3 +92,34 @@ def use_fast_prefill(loaded) -> None:
     device = compute_device(loaded.model)
     if device.type == "cpu" and has_fast_bf16(device):
         set_prefill_dtype(loaded.model, torch.bfloat16)
+
+
+def add_kv_args(p) -> None:
+    """The KV cache of generate and serve (hardy.infer.kv)."""
+    p.add_argument("--context", type=int, default=None,
+                   help="positions per request's KV cache (default: the model's maximum, at most 4096)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="the KV cache's dtype (default bf16: half fp32's memory, fp32's range)")
+
+
+def kv_settings(args, model, sequences: int, check: bool = True):
+    """(context, kv dtype, budget) for `sequences` requests; the budget's line says what the cache may
+    take, and a cache that cannot hold even one full request is refused (exit 2; `check` False: the
+    caller checks, after tensor-parallel ranks agree on one capacity)."""
+    from hardy.infer.kv import KV_DTYPES, kv_budget
+    from hardy.serve.engine import context_length
+
+    if args.context is not None and args.context < 2:
+        raise HardyError("--context must be >= 2")
+    if args.context is not None and args.context > model.cfg.max_seq_len:
+        raise HardyError(f"--context {args.context} exceeds the model's maximum of {model.cfg.max_seq_len} positions")
+    context = context_length(model, args.context)
+    dtype = KV_DTYPES[args.kv_dtype]
+    budget = kv_budget(model, sequences, context, dtype)
+    return context, dtype, budget.check() if check else budget
+
+
+def weights_line(loaded) -> str:
+    from hardy.infer.kv import GiB, model_bytes
+
+    return f"weights {model_bytes(loaded.model) / GiB:.2f} GiB ({loaded.config.family}, {loaded.config.n_layers} layers)"

@@ -41,7 +41,7 @@ def run_perplexity(args) -> int:
     if ctx > loaded.config.max_seq_len:
         raise HardyError(f"--ctx {ctx} exceeds the model's context of {loaded.config.max_seq_len}")
     tok = loaded.tokenizer
-    tokens = tok.encode(text)  # llama-perplexity tokenizes with the vocab's own BOS policy
+    tokens = tok.encode(text, special=False)  # as llama-perplexity: the vocab's BOS policy, "<unk>" as text
     if args.max_tokens:
         tokens = tokens[:args.max_tokens]
     result = perplexity(loaded.model, tokens, ctx=ctx, protocol=args.protocol, bos_id=tok.bos_id,
@@ -93,7 +93,7 @@ def run_compare(args) -> int:
             raise HardyError(f"{spec}: vocabulary of {lm.config.vocab_size} differs from the reference's {vocab}")
         if ctx > lm.config.max_seq_len:
             raise HardyError(f"--ctx {ctx} exceeds {spec}'s context of {lm.config.max_seq_len}")
-    tokens = tok.encode(text)
+    tokens = tok.encode(text, special=False)
     if args.max_tokens:
         tokens = tokens[:args.max_tokens]
     results = quality([lm.model for lm in loaded], tokens, ctx, args.protocol, tok.bos_id, tok.add_bos,

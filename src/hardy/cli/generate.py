@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
+from hardy.cli.common import add_kv_args, add_model_args, add_tp_args, kv_settings, load_from_args, use_fast_prefill
 from hardy.errors import HardyError
 from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
@@ -29,6 +29,7 @@ def register(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (float models, one process; SmolLM2 fp32 decode "
                         "1.07-1.10x faster here after a one-off ~40 s compile)")
+    add_kv_args(p)
     add_tp_args(p)
     p.set_defaults(func=run)
 
@@ -80,6 +81,10 @@ def run(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         text = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
     prompt = tok.encode_chat(text) if args.chat else tok.encode(text)
+    context, kv_dtype, budget = kv_settings(args, loaded.model, 1)
+    if len(prompt) + args.max_new_tokens > context:
+        raise HardyError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens ({args.max_new_tokens}) exceeds the "
+                         f"context of {context} tokens: raise --context (the model allows {loaded.config.max_seq_len})")
     if not args.chat:
         sys.stdout.write(args.prompt)
     stream = tok.stream_decoder()
@@ -92,7 +97,7 @@ def run(args) -> int:
         sys.stdout.flush()
 
     result = generate(loaded.model, prompt, sampling, stop_ids=stop, use_cache=not args.no_cache, on_token=emit,
-                      compile=compile_step)
+                      compile=compile_step, kv_dtype=kv_dtype)
     sys.stdout.write("\n")
     if args.stats:
         s = result.stats

@@ -5,7 +5,8 @@ import os
 import sys
 import threading
 
-from hardy.cli.common import add_model_args, add_tp_args, load_from_args, use_fast_prefill
+from hardy.cli.common import (add_kv_args, add_model_args, add_tp_args, kv_settings, load_from_args,
+                               use_fast_prefill, weights_line)
 from hardy.errors import HardyError
 from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
@@ -21,7 +22,6 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503 queue full")
     p.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens a request may ask")
-    p.add_argument("--context", type=int, default=None, help="KV cache length per request (default: the model's)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
     p.add_argument("--max-connections", type=int, default=256,
@@ -34,12 +34,13 @@ def register(sub) -> None:
                    help="a Jinja chat template for /v1/chat/completions, instead of the model's own")
     p.add_argument("--keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open (default 5)")
+    add_kv_args(p)
     add_tp_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from hardy.serve.engine import Engine, ModelRunner, context_length
+    from hardy.serve.engine import Engine, ModelRunner
 
     for key in ("max_batch", "max_queue", "max_tokens", "tp", "max_connections"):
         if getattr(args, key) < 1:
@@ -68,22 +69,29 @@ def run(args) -> int:
     loaded = load_from_args(args)
     use_chat_template(loaded.tokenizer, args.chat_template, required=False)
     use_fast_prefill(loaded)
-    runner = ModelRunner
+    runner, rank = ModelRunner, 0
     if args.tp > 1:
         from hardy.infer.tensor_parallel import shard_model
-        from hardy.serve.tensor_parallel import LeaderRunner, follow
 
-        if shard_model(loaded.model, args.tp).rank != 0:  # a follower: no server, only forward passes
+        rank = shard_model(loaded.model, args.tp).rank
+    # each rank's share of the heads; under --tp the ranks agree on one capacity before any refuses
+    context, kv_dtype, budget = kv_settings(args, loaded.model, args.max_batch, check=args.tp == 1)
+    if args.tp > 1:
+        from hardy.serve.tensor_parallel import LeaderRunner, agree_on_capacity, follow
+
+        budget = agree_on_capacity(budget).check()
+        if rank != 0:  # a follower: no server, only forward passes
             sys.stdout = open(os.devnull, "w")
-            if not follow(loaded.model, args.max_batch, context_length(loaded.model, args.context)):
+            if not follow(loaded.model, args.max_batch, context, kv_dtype, budget.capacity):
                 print("hardy: rank 0 stopped in the middle of a forward pass; this worker stops too",
                       file=sys.stderr, flush=True)
                 os._exit(1)  # the process group is broken: tearing it down could only hang
             leave_together()  # rank 0 said stop and meets us here
             return 0
         runner = LeaderRunner
-    engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
-                    runner=runner)
+    print(f"hardy: {weights_line(loaded)}; {budget.line}", file=sys.stderr, flush=True)
+    engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=context,
+                    runner=runner, kv_dtype=kv_dtype, capacity=budget.capacity)
     failed = serve_http(args, engine, loaded.tokenizer)
     if failed:
         print(f"hardy: error: the engine failed ({failed}); stopping", file=sys.stderr, flush=True)

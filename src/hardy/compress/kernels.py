@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 # several translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
 SOURCES = [CSRC / "qgemv.cpp", CSRC / "gguf_tiled.cpp", CSRC / "decode_layer.cpp", CSRC / "bindings.cpp"]
-HEADERS = [CSRC / "qgemv.h"]
+HEADERS = [CSRC / "qgemv.h", CSRC / "kv.h"]
 _module = None
 _tried = False
 

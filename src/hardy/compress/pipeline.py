@@ -226,7 +226,10 @@ def _apply_awq_scales(block, inputs: dict[str, tuple[torch.Tensor, torch.Tensor]
             if norm_weight is not None:
                 norm_weight.div_(s)
             else:
-                block.get_submodule(producer_rows).weight.div_(s[:, None])
+                producer = block.get_submodule(producer_rows)
+                producer.weight.div_(s[:, None])
+                if producer.bias is not None:  # the output rows, bias included (Qwen2's v)
+                    producer.bias.div_(s)
                 out_scale[producer_rows] = 1 / s
             for lin in linears:
                 lin.weight.mul_(s[None, :])
@@ -419,7 +422,7 @@ def compress_from_disk(mcfg, weights, cfg: CompressConfig, calib: torch.Tensor |
 
 def calibration_batch(tokenizer, text: str, samples: int, seq: int, seed: int):
     """`samples` windows of `seq` tokens at seeded random offsets of the tokenized text."""
-    return calibration_windows(torch.tensor(tokenizer.encode(text, add_bos=False), dtype=torch.long),
+    return calibration_windows(torch.tensor(tokenizer.encode(text, add_bos=False, special=False), dtype=torch.long),
                                samples, seq, seed)
 
 

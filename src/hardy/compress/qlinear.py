@@ -33,7 +33,9 @@ def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, qt: QuantTensor):
+    """`bias`: the layer has a float bias (Qwen2's q/k/v), filled by load_state_dict like any parameter."""
+
+    def __init__(self, qt: QuantTensor, bias: bool = False):
         super().__init__()
         self.spec = qt.spec
         self.out_features, self.in_features = qt.shape
@@ -41,6 +43,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensor)
         if "mins" not in self._buffers:
             self.mins = None
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
         self.kernel = None  # set by hardy.compress.kernels.prepare(), with `lookup` (rows -> float rows)
         self.lookup = None
         self.dequant_range = None  # (first row, out slab) -> None: the C++ prefill dequantization
@@ -81,6 +84,8 @@ class QuantLinear(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, tensor in self.stored().items():
             destination[prefix + name] = tensor if keep_vars else tensor.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.tiled:  # stored layout in, kernel layout kept
@@ -95,10 +100,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.numel() <= FUSED_MAX_TOKENS * self.in_features:
-            return self.kernel(x)
-        if self.dequant_range is not None:
-            return self._slab_forward(x)
-        return F.linear(x, self.dequantized_weight().to(x.dtype))
+            y = self.kernel(x)
+        elif self.dequant_range is not None:
+            y = self._slab_forward(x)
+        else:
+            return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _slab_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Many tokens: the weights dequantized in C++ a slab of rows at a time (never the whole float
@@ -155,7 +162,7 @@ def swap_quantized(model: nn.Module, quantized: dict[str, QuantTensor]) -> nn.Mo
             if getattr(model.cfg, "tie_embeddings", False):
                 model.output = emb.table  # the tied head reads the same stored bytes
         else:
-            setattr(parent, child, QuantLinear(qt))
+            setattr(parent, child, QuantLinear(qt, bias=getattr(getattr(parent, child), "bias", None) is not None))
     return model
 
 

@@ -18,17 +18,19 @@ from hardy.parallel.parallelize import tp_kind
 
 
 class RowParallelQuantLinear(nn.Module):
-    """This process's input-column slice of a quantized matrix; the partial outputs are summed."""
+    """This process's input-column slice of a quantized matrix; the partial outputs are summed (then the
+    bias, once)."""
 
     def __init__(self, local: QuantLinear, group):
         super().__init__()
+        self.bias, local.bias = local.bias, None
         self.local = local
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
         dist.all_reduce(y, group=self.group)
-        return y
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def check_split(name: str, spec: QuantSpec, shape: tuple[int, int], kind: str, parts: int) -> None:
@@ -86,5 +88,8 @@ def shard_quantized_linear(block: nn.Module, name: str, kind: str, mesh) -> bool
         local.tp_slice = want
         if full.kernel is not None:
             prepare(local)  # the fused decode kernel, for the slice
+    if full.bias is not None:  # loaded whole: a column-parallel rank keeps its rows' part
+        bias = full.bias.detach()
+        local.bias = nn.Parameter(bias[slice(*want.span(bias.numel()))].clone() if kind == "colwise" else bias)
     setattr(parent, child, local if kind == "colwise" else RowParallelQuantLinear(local, mesh.get_group()))
     return True

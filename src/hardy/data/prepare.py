@@ -22,7 +22,7 @@ from hardy.data.dedup import exact_duplicates, near_duplicates
 from hardy.data.text import resolve_text_path
 from hardy.errors import HardyError
 from hardy.formats.gguf_io import gguf_fields, open_gguf
-from hardy.formats.smollm2 import smollm2_gguf_path
+from hardy.formats.packaged import smollm2_gguf_path
 from hardy.formats.tokenizer import HardyTokenizer, tokenizer_from_gguf_fields
 from hardy.fsio import write_bytes_atomic
 

@@ -6,6 +6,8 @@ read from the memory-mapped file one tensor at a time: no float copy of the mode
   Q4_1        -> int4 asymmetric, group 32: exact. Q4_1 *is* hardy's format (fp16 scale and min,
                  the same nibble order).
   Q8_0        -> int8 symmetric, group 32: exact (fp16 scale, int8 codes).
+  Q5_0        -> int8 symmetric, group 32: exact. Q5_0's (q − 16)·d with q in 0..31 is an int8 code in
+                 −16..15 on the same fp16 scale (8.5 bits per weight in memory where the file has 5.5).
   Q4_K        -> int4 asymmetric, group 32: the codes unchanged, each sub-block's scale d·sc and min
                  dmin·m (fp32 products of fp16 and 6-bit integers in llama.cpp) rounded to fp16 —
                  a relative error of at most 2⁻¹¹ in each, far below a 4-bit step.
@@ -28,7 +30,7 @@ from hardy.formats.names import unpermute_qk
 from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn, untile_codes
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q4_K": "scales rounded to fp16"}
+EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "scales rounded to fp16"}
 INT4_G32 = QuantSpec(4, 32, False)
 INT4_SYM_G32 = QuantSpec(4, 32, True)
 INT8_G32 = QuantSpec(8, 32, True)
@@ -109,6 +111,17 @@ def _q4_legacy(t, with_min: bool) -> PackedQuant:
 def _q8_0(t) -> PackedQuant:
     blocks, rows, cols = _blocks(t, 32, 34)
     codes = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, cols)
+    return PackedQuant({"qweight": torch.from_numpy(codes), "scales": _half(blocks, 0)}, INT8_G32, (rows, cols))
+
+
+def _q5_0(t) -> PackedQuant:
+    """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles) as int8 codes q − 16 on scale d."""
+    blocks, rows, cols = _blocks(t, 32, 22)
+    high = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)  # [rows, nb, 1], bit j: value j's fifth bit
+    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, nb, 32]
+    qs = blocks[:, :, 6:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=2)  # values 0-15 in the low nibbles, 16-31 in the high
+    codes = ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
     return PackedQuant({"qweight": torch.from_numpy(codes), "scales": _half(blocks, 0)}, INT8_G32, (rows, cols))
 
 
@@ -268,6 +281,8 @@ def _packed_in_file_order(t) -> PackedQuant:
         return _q4_legacy(t, with_min=True)
     if name == "Q8_0":
         return _q8_0(t)
+    if name == "Q5_0":
+        return _q5_0(t)
     if name == "Q4_K":
         return _q4_k(t)
     return _requantized(t)

@@ -12,6 +12,7 @@ from hardy.compress.qlinear import QuantLinear
 from hardy.devices import compute_device, synchronize
 from hardy.errors import HardyError
 from hardy.infer.fused_decode import decode_hidden
+from hardy.infer.kv import PagedKVCache
 
 
 @dataclass
@@ -122,9 +123,10 @@ def compiled_decode_step(model):
 @torch.inference_mode()
 def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] | None = None,
              use_cache: bool = True, on_token: Callable[[int], None] | None = None,
-             compile: bool = False) -> Generation:
+             compile: bool = False, kv_dtype: torch.dtype = torch.float32) -> Generation:
     """`compile`: run the decode steps through `compiled_decode_step` (compiled before the prefill;
-    the time is reported as `stats.compile_s`)."""
+    the time is reported as `stats.compile_s`), over a static cache; otherwise the paged cache
+    (hardy.infer.kv) holds keys and values in `kv_dtype`, its blocks taken as the tokens arrive."""
     if not prompt:
         raise HardyError("the prompt is empty")
     if compile and not use_cache:
@@ -145,11 +147,13 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
     if cfg.max_new_tokens == 0:
         return Generation(out, stats)
     step = compiled_decode_step(model) if compile and cfg.max_new_tokens > 1 else None
-    cache_len = total
+    cache_len, pool = total, None
     if step is not None:
         cache_len = min(model.cfg.max_seq_len, -(-total // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
-    if use_cache:
         model.setup_kv_cache(1, cache_len)
+    elif use_cache:
+        pool = PagedKVCache(model, 1, total, kv_dtype).pool
+        pool.reserve(0, len(prompt))
     try:
         if step is not None:
             model.reset_rope(max(cache_len, model._rope_len))  # the compiled step never resizes the tables
@@ -174,6 +178,7 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
             if step is not None:
                 logits = step(model, ids([[token]]), torch.tensor([len(prompt) + len(out) - 1], device=device))[0]
             elif use_cache:
+                pool.reserve(0, len(prompt) + len(out))
                 logits = next_logits(model, ids([[token]]), len(prompt) + len(out) - 1)
             else:
                 logits = next_logits(model, ids([prompt + out]), 0)

@@ -53,7 +53,7 @@ class QLMScorer:
 
     def rows(self, query: str, passages: list[str]) -> tuple[list[list[int]], list[int], list[int]]:
         """Token rows (prompt + passage + query), where each row's query starts, and the query ids."""
-        query_ids = self.tok.encode(" " + query.strip(), add_bos=False)
+        query_ids = self.tok.encode(" " + query.strip(), add_bos=False, special=False)  # text, never control tokens
         if not query_ids:
             raise HardyError("the query is empty")
         limit = self.model.cfg.max_seq_len
@@ -62,7 +62,7 @@ class QLMScorer:
             raise HardyError(f"the query ({len(query_ids)} tokens) does not fit the model's context of {limit}")
         rows, starts = [], []
         for passage in passages:
-            ids = self.tok.encode(passage, add_bos=False)[:min(self.cfg.max_passage_tokens, room)]
+            ids = self.tok.encode(passage, add_bos=False, special=False)[:min(self.cfg.max_passage_tokens, room)]
             prefix = (self.before + ids + self.after) or [self.pad_id]  # a query token needs a position before it
             rows.append(prefix + query_ids)
             starts.append(len(prefix))

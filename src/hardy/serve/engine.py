@@ -31,6 +31,7 @@ from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.generate import SamplingConfig, sample
+from hardy.infer.kv import BLOCK, PagedKVCache
 from hardy.infer.rerank import ScoreRow, score_rows, target_log_likelihood
 
 
@@ -93,63 +94,82 @@ class _Slot:
     last: int  # the token to feed next
 
 
+DEFAULT_CONTEXT = 4096  # llama-server's default too: a file's 128k maximum is not a per-request budget
+
+
 def context_length(model, requested: int | None) -> int:
-    """KV cache length per request: as asked, at most (and by default) the model's own."""
-    return min(requested or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    """KV cache length per request: as asked (at most the model's own), by default the model's own
+    up to DEFAULT_CONTEXT."""
+    return min(requested or DEFAULT_CONTEXT, model.cfg.max_seq_len)
 
 
 class ModelRunner:
-    """The forward passes the engine makes, over a static KV cache of `max_batch` rows. Under
-    `serve --tp` a subclass announces each pass to the other ranks first (hardy.serve.tensor_parallel)."""
+    """The forward passes the engine makes, over a paged KV cache of `max_batch` sequences of up to
+    `context` positions (`capacity` tokens in all; default: every sequence full). Under `serve --tp` a
+    subclass announces each pass to the other ranks first (hardy.serve.tensor_parallel)."""
 
     processes = 1  # how many processes each forward pass runs on
     fatal = False  # set when a failed pass leaves the runner unusable (tensor parallel)
 
-    def __init__(self, model, max_batch: int, context: int):
+    def __init__(self, model, max_batch: int, context: int, kv_dtype: torch.dtype = torch.bfloat16,
+                 capacity: int | None = None):
         self.model = model
         self._faults = _faults_from_env()
         self._passes = {"prefill": 0, "decode": 0}
         self.device = compute_device(model)
-        model.setup_kv_cache(max_batch, context)
-        self._caches = [layer.attention.kv_cache for layer in model.layers]
+        self.cache = PagedKVCache(model, max_batch, context, kv_dtype, capacity)
+        self.pool = self.cache.pool
+        self._layers = [layer.attention.kv_cache for layer in model.layers]
+        self.promised = [0] * max_batch  # blocks each sequence may still grow to (admission)
 
     def _maybe_fail(self, kind: str) -> None:
         self._passes[kind] += 1
         if (kind, self._passes[kind]) in self._faults:
             raise InjectedFault(f"injected fault in {kind} pass {self._passes[kind]} (HARDY_SERVE_FAULT)")
 
-    @torch.inference_mode()
-    def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
-        """Fill cache row `row` with `prompt` [1, L]; the logits after its last token [V]."""
-        self._maybe_fail("prefill")
-        for layer, cache in zip(self.model.layers, self._caches):
-            layer.attention.kv_cache = cache.rows(row, row + 1)
-        try:
-            return self.model.logits(self.model.hidden_states(prompt.to(self.device), 0)[0, -1])
-        finally:
-            for layer, cache in zip(self.model.layers, self._caches):
-                layer.attention.kv_cache = cache
+    def fits(self, tokens: int) -> bool:
+        """Can a sequence of up to `tokens` positions start now without the pool running out later?"""
+        return sum(self.promised) + -(-tokens // BLOCK) <= self.pool.capacity
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per row (tokens [n, 1] at positions [n]) for cache rows 0..n-1; logits [n, V]."""
+    def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+        """Fill sequence `row` with `prompt` [1, L] (`budget`: the positions it may grow to); the logits
+        after its last token [V]."""
+        self._maybe_fail("prefill")
+        self.pool.release(row)  # a follower learns of a finished sequence here
+        self.promised[row] = -(-(budget or prompt.shape[1]) // BLOCK)
+        self.pool.reserve(row, prompt.shape[1])
+        self.cache.use([row])
+        return self.model.logits(self.model.hidden_states(prompt.to(self.device), 0)[0, -1])
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """One token per row (tokens [n, 1] at positions [n]) of sequences `rows`; logits [n, V]."""
         self._maybe_fail("decode")
+        for row, position in zip(rows, positions.tolist()):
+            self.pool.reserve(row, position + 1)
+        self.cache.use(rows)
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         return self.model.logits(decode_hidden(self.model, tokens, positions)[:, -1])
+
+    def release(self, row: int) -> None:
+        """Sequence `row` has ended: its blocks go back to the pool."""
+        self.pool.release(row)
+        self.promised[row] = 0
 
     @torch.inference_mode()
     def score_batch(self, tokens: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,
                     mask: torch.Tensor) -> torch.Tensor:
         """One batch of scoring rows (hardy.infer.rerank.batch_tensors), outside the KV cache: the
-        caches are detached for the pass, so no slot's keys and values are touched."""
+        caches are detached for the pass, so no sequence's keys and values are touched."""
         for layer in self.model.layers:
             layer.attention.kv_cache = None
         try:
             return target_log_likelihood(self.model, tokens.to(self.device), at.to(self.device),
                                          targets.to(self.device), mask.to(self.device))
         finally:
-            for layer, cache in zip(self.model.layers, self._caches):
-                layer.attention.kv_cache = cache
+            for layer, view in zip(self.model.layers, self._layers):
+                layer.attention.kv_cache = view
 
     def idle(self) -> None:
         """Called while nothing runs."""
@@ -160,7 +180,8 @@ class ModelRunner:
 
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
-                 runner: type[ModelRunner] = ModelRunner, score_batch: int = 16):
+                 runner: type[ModelRunner] = ModelRunner, score_batch: int = 16,
+                 kv_dtype: torch.dtype = torch.bfloat16, capacity: int | None = None):
         self.max_batch = max_batch
         self.score_batch = score_batch  # scoring rows per forward pass
         self.context = context_length(model, context)
@@ -179,7 +200,8 @@ class Engine:
         # be between the two and get lost.
         self._admission = threading.Lock()
         self._drained = threading.Event()
-        self.runner = runner(model, max_batch, self.context)
+        self.runner = runner(model, max_batch, self.context, kv_dtype, capacity)
+        self._next: Request | None = None  # taken from the queue, waiting for KV blocks
         self._thread = threading.Thread(target=self._loop, name="hardy-engine", daemon=True)
         self._thread.start()
 
@@ -205,7 +227,8 @@ class Engine:
 
     @property
     def busy(self) -> int:
-        return sum(s is not None for s in self.slots) + self.waiting.qsize() + self.scoring.qsize()
+        return (sum(s is not None for s in self.slots) + self.waiting.qsize() + self.scoring.qsize()
+                + (self._next is not None))
 
     def drain(self, timeout: float) -> bool:
         """Stop accepting; wait up to `timeout` s for queued and running requests. True if all finished."""
@@ -228,18 +251,24 @@ class Engine:
             req.events.put(("token", token))
         if stop or len(req.tokens) >= req.sampling.max_new_tokens:
             req.events.put(("done", "stop" if stop else "length"))
-            self.slots[slot_index] = None
+            self._free(slot_index)
             return True
         return False
+
+    def _free(self, slot_index: int) -> None:
+        self.slots[slot_index] = None
+        self.runner.release(slot_index)
 
     def _prefill(self, slot_index: int, req: Request) -> None:
         if req.cancelled:
             req.events.put(("done", "cancelled"))
             return
         try:
-            logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]))
+            logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]),
+                                         len(req.prompt) + req.sampling.max_new_tokens)
         except Exception as e:  # this request fails; the others are untouched (unless the runner is fatal)
             req.events.put(("error", f"{type(e).__name__}: {e}"))
+            self.runner.release(slot_index)
             if self.runner.fatal:
                 raise
             return
@@ -247,6 +276,22 @@ class Engine:
         token = sample(logits, req.sampling, req.generator)
         if not self._emit(slot_index, token):
             self.slots[slot_index].last = token
+
+    def _admit(self) -> None:
+        """Waiting requests into free slots, in order, each once the KV pool can hold all it may grow to
+        (never: more than `capacity`; the server refuses such a request up front)."""
+        for i in range(self.max_batch):
+            if self.slots[i] is not None:
+                continue
+            if self._next is None:
+                if self.waiting.empty():
+                    return
+                self._next = self.waiting.get_nowait()
+            req = self._next
+            if not self.runner.fits(len(req.prompt) + req.sampling.max_new_tokens) and any(self.slots):
+                return  # wait for running sequences to free blocks
+            self._next = None
+            self._prefill(i, req)
 
     def _score_waiting(self) -> None:
         """Every waiting scoring request's rows, together in batches of `score_batch`."""
@@ -277,21 +322,18 @@ class Engine:
         for i, s in enumerate(self.slots):
             if s is not None and s.request.cancelled:
                 s.request.events.put(("done", "cancelled"))
-                self.slots[i] = None
+                self._free(i)
         active = [i for i, s in enumerate(self.slots) if s is not None]
         if not active:
             return
-        n = max(active) + 1  # rows 0 .. n-1 (an empty row in between computes and is ignored)
-        tokens = torch.zeros(n, 1, dtype=torch.long)
-        positions = torch.zeros(n, dtype=torch.long)
-        for i in active:
-            tokens[i, 0], positions[i] = self.slots[i].last, self.slots[i].position
-        logits = self.runner.decode(tokens, positions).cpu()  # one copy back per step, not one per row
+        tokens = torch.tensor([[self.slots[i].last] for i in active], dtype=torch.long)
+        positions = torch.tensor([self.slots[i].position for i in active], dtype=torch.long)
+        logits = self.runner.decode(tokens, positions, active).cpu()  # one copy back per step, not one per row
         self.largest_batch = max(self.largest_batch, len(active))
         self.steps += 1
-        for i in active:
+        for row, i in enumerate(active):
             slot = self.slots[i]
-            token = sample(logits[i], slot.request.sampling, slot.request.generator)
+            token = sample(logits[row], slot.request.sampling, slot.request.generator)
             slot.position += 1
             if not self._emit(i, token):
                 slot.last = token
@@ -310,6 +352,9 @@ class Engine:
             self.failed = self.failed or reason
             self.accepting = False
         self._fail_running(reason)
+        if self._next is not None:
+            self._next.events.put(("error", f"the engine stopped: {reason}"))
+            self._next = None
         for waiting in (self.waiting, self.scoring):
             while True:
                 try:
@@ -323,19 +368,20 @@ class Engine:
             if s is not None:
                 s.request.events.put(("error", reason))
                 self.slots[i] = None
+                self.runner.pool.release(i)
+                self.runner.promised[i] = 0
 
     def _serve_loop(self) -> None:
         while not self._stop.is_set():
-            if not self.accepting and self.waiting.empty() and self.scoring.empty() and not any(self.slots):
+            if (not self.accepting and self.waiting.empty() and self.scoring.empty() and not any(self.slots)
+                    and self._next is None):
                 self._drained.set()  # nothing queued, nothing held, and nothing more can arrive
             try:
                 self._score_waiting()
-                for i in range(self.max_batch):  # admit waiting requests into free slots
-                    if self.slots[i] is None and not self.waiting.empty():
-                        self._prefill(i, self.waiting.get_nowait())
+                self._admit()
                 if any(s is not None for s in self.slots):
                     self._decode_step()
-                elif self.waiting.empty() and self.scoring.empty():
+                elif self.waiting.empty() and self.scoring.empty() and self._next is None:
                     if not self._wake.wait(0.05):
                         self.runner.idle()
                     self._wake.clear()  # a submission after this is still seen: the queues are read next

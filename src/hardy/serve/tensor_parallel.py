@@ -24,15 +24,25 @@ import torch.distributed as dist
 
 from hardy.serve.engine import ModelRunner
 
-PREFILL, DECODE, KEEPALIVE, STOP, SCORE = range(5)
+PREFILL, DECODE, KEEPALIVE, STOP, SCORE, RELEASE = range(6)
 KEEPALIVE_S = 10.0  # far below the process group's timeout (hardy.parallel.distributed: 600 s)
+
+
+def agree_on_capacity(budget):
+    """Every rank's pool holds what the smallest can: the leader admits requests for all of them."""
+    import dataclasses
+
+    capacity = torch.tensor([budget.capacity], dtype=torch.long)
+    dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
+    return dataclasses.replace(budget, capacity=int(capacity))
 
 
 class LeaderRunner(ModelRunner):
     """Rank 0: announce, then run the pass like a single process would."""
 
-    def __init__(self, model, max_batch: int, context: int):
-        super().__init__(model, max_batch, context)
+    def __init__(self, model, max_batch: int, context: int, kv_dtype: torch.dtype = torch.bfloat16,
+                 capacity: int | None = None):
+        super().__init__(model, max_batch, context, kv_dtype, capacity)
         self.processes = dist.get_world_size()
         self._last = time.monotonic()
 
@@ -42,21 +52,27 @@ class LeaderRunner(ModelRunner):
             dist.broadcast(tensor.contiguous(), src=0)
         self._last = time.monotonic()
 
-    def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
+    def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None) -> torch.Tensor:
         try:
-            self._announce(PREFILL, row, prompt.shape[1], tensors=(prompt,))
-            return super().prefill(row, prompt)
+            self._announce(PREFILL, row, prompt.shape[1], budget or 0, tensors=(prompt,))
+            return super().prefill(row, prompt, budget)
         except Exception:
             self.fatal = True
             raise
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int]) -> torch.Tensor:
         try:
-            self._announce(DECODE, tokens.shape[0], tensors=(torch.cat([tokens[:, 0], positions]),))
-            return super().decode(tokens, positions)
+            self._announce(DECODE, tokens.shape[0],
+                           tensors=(torch.cat([tokens[:, 0], positions, torch.tensor(rows, dtype=torch.long)]),))
+            return super().decode(tokens, positions, rows)
         except Exception:
             self.fatal = True
             raise
+
+    def release(self, row: int) -> None:
+        if not self.fatal:
+            self._announce(RELEASE, row)
+        super().release(row)
 
     def score_batch(self, tokens: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,
                     mask: torch.Tensor) -> torch.Tensor:
@@ -78,12 +94,13 @@ class LeaderRunner(ModelRunner):
         super().finish()
 
 
-def follow(model, max_batch: int, context: int) -> bool:
+def follow(model, max_batch: int, context: int, kv_dtype: torch.dtype = torch.bfloat16,
+           capacity: int | None = None) -> bool:
     """Ranks 1..N-1: repeat rank 0's forward passes until it says stop (True), or until rank 0 is gone
     (False: a collective failed because its connections closed)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when serving ends
-    runner = ModelRunner(model, max_batch, context)
+    runner = ModelRunner(model, max_batch, context, kv_dtype, capacity)
     runner._faults = set()  # injected faults (HARDY_SERVE_FAULT) are rank 0's
     try:
         while True:
@@ -93,11 +110,13 @@ def follow(model, max_batch: int, context: int) -> bool:
             if op == PREFILL:
                 prompt = torch.empty(1, b, dtype=torch.long)
                 dist.broadcast(prompt, src=0)
-                runner.prefill(a, prompt)
+                runner.prefill(a, prompt, c or None)
             elif op == DECODE:
-                flat = torch.empty(2 * a, dtype=torch.long)
+                flat = torch.empty(3 * a, dtype=torch.long)
                 dist.broadcast(flat, src=0)
-                runner.decode(flat[:a, None], flat[a:])
+                runner.decode(flat[:a, None], flat[a:2 * a], flat[2 * a:].tolist())
+            elif op == RELEASE:
+                runner.release(a)
             elif op == SCORE:
                 tokens, extra = torch.empty(a, b, dtype=torch.long), torch.empty(3, a, c, dtype=torch.long)
                 dist.broadcast(tokens, src=0)

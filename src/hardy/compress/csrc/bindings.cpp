@@ -9,9 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "some rows of a tiled int8 or int4 matrix as float");
   m.def("dequant_range", &dequant_range, "consecutive rows of a tiled int8 or int4 matrix into an fp32/bf16 slab");
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, double, int64_t>(),
-           "norms (2 per block), w (21 per block), dims (14 per block), eps, head_dim")
-      .def("__call__", &DecodeStack::operator(), "x, positions, cos, sin, K caches, V caches -> x after every block");
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, double, int64_t, bool, double, double>(),
+           "norms (4 per block, post norms may be empty), w (21 per block), dims (14 per block), extras (q/k/v "
+           "biases, q/k norms per block, empty where absent), windows, local rotary (per block), eps, head_dim, "
+           "gelu, query scale, softcap")
+      .def("__call__", &DecodeStack::operator(),
+           "x, positions, cos, sin, local cos, local sin, KV pool, block table -> x after every block");
   m.def("q4_gguf_to_tiled", &q4_gguf_to_tiled, "GGUF Q4_0/Q4_1 blocks -> tiled int4 (qweight, scales, mins)");
   m.def("q8_gguf_to_tiled", &q8_gguf_to_tiled, "GGUF Q8_0 blocks -> tiled int8 codes and fp16 scales");
   m.def("q6k_to_tiled", &q6k_to_tiled, "GGUF Q6_K blocks -> tiled int8 g32 codes and fp16 scales (RTN)");

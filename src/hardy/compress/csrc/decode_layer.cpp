@@ -10,7 +10,7 @@
 // and barriers separate the phases. A fork/join per product plus a tensor allocation and an ATen
 // call per elementwise step left the second core idle for about half of a SmolLM2 step
 // (BENCHMARKS.md); nothing inside the region allocates or can throw: every check is made before it.
-#include "qgemv.h"
+#include "kv.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -22,35 +22,10 @@
 
 namespace {
 
-// a · b over n floats. Written out because the compiler keeps a plain float sum in order (serial)
-// without -ffast-math; attention spends most of its time here.
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0.f;
-#ifdef HARDY_AVX2
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  const __m256 v = _mm256_add_ps(s0, s1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-#else
-  float p[4] = {0.f, 0.f, 0.f, 0.f};
-  for (; i + 4 <= n; i += 4)
-    for (int j = 0; j < 4; ++j) p[j] += a[i + j] * b[i + j];
-  sum = (p[0] + p[1]) + (p[2] + p[3]);
-#endif
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // y = x / sqrt(mean(x^2) + eps) * w, rows of [B, D]
 void rms_norm(const float* X, const float* W, int64_t B, int64_t D, float eps, float* Y) {
   for (int64_t b = 0; b < B; ++b) {
-    const float r = 1.f / std::sqrt(dot(X + b * D, X + b * D, D) / D + eps);
+    const float r = 1.f / std::sqrt(kv_dot<KVType::F32>(X + b * D, X + b * D, D) / D + eps);
     for (int64_t i = 0; i < D; ++i) Y[b * D + i] = X[b * D + i] * r * W[i];
   }
 }
@@ -72,6 +47,15 @@ void rope(float* T, int64_t B, int64_t heads, int64_t hd, const int64_t* pos, co
   }
 }
 
+void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void add_bias(float* y, const float* bias, int64_t B, int64_t n) {
+  if (bias)
+    for (int64_t b = 0; b < B; ++b) add_into(y + b * n, bias, n);
+}
+
 inline void barrier() {
 #ifdef _OPENMP
 #pragma omp barrier
@@ -80,9 +64,9 @@ inline void barrier() {
 
 // The sizes of one call and the buffers every phase reads and writes (allocated before the region).
 struct Step {
-  int64_t B, D, hd, S;
+  int64_t B, D, hd, S;  // S: positions a row may span (the block table's width x BLOCK)
   const int64_t* pos;
-  const float *cos, *sin;
+  const float *cos, *sin, *cos_local, *sin_local;
   float eps;
   float *x, *h, *q, *k, *v, *attn, *gate, *up, *proj;
   int8_t* codes;
@@ -91,6 +75,14 @@ struct Step {
   int64_t xg_stride;
   float* probs;  // per thread: [S]
   const float* const* norms;  // per block: attention and FFN norm weights
+  const BlockExtras* extras;       // per block
+  // the paged KV cache: [blocks, layers, 2, kv heads, BLOCK, hd] of `kv_type`; row b's i-th block is table[b * width + i]
+  uint8_t* pool;
+  KVType kv_type;
+  int64_t layers, kv_heads, block, width;
+  const int32_t* table;
+  bool gelu;
+  float scale, softcap;
 };
 
 // This thread's share of the products of `count` matrices (the same input, quantized in the Step's
@@ -112,56 +104,95 @@ void products(const Step& s, const QMatrix* M, int count, float* const* outs, in
   }
 }
 
-// Row b, head hh attends to its cached positions 0 .. pos[b]: for the pairs (b, hh) of this thread.
-void attention(const Step& s, const float* KC, const float* VC, int64_t H, int64_t KVH, int tid, int n) {
-  const int64_t hd = s.hd, S = s.S, pairs = s.B * H, group_heads = H / KVH;
-  const float scale = 1.f / std::sqrt((float)hd);
-  float* p = s.probs + tid * S;
+// Where position t of row b keeps layer l's keys (kv = 0) or values (kv = 1) of KV head g.
+inline const void* kv_at(const Step& s, int64_t l, int64_t b, int64_t t, int kv, int64_t g) {
+  const int64_t blk = s.table[b * s.width + t / s.block];
+  const int64_t index = ((((blk * s.layers + l) * 2 + kv) * s.kv_heads + g) * s.block + t % s.block) * s.hd;
+  return s.pool + index * (s.kv_type == KVType::F32 ? 4 : 2);
+}
+
+// Row b, head hh attends to its cached positions (the last `window` of them on a sliding layer):
+// for the pairs (b, hh) of this thread.
+template <KVType T>
+void attention(const Step& s, int64_t l, int64_t H, int64_t window, int tid, int n) {
+  const int64_t hd = s.hd, pairs = s.B * H, group_heads = H / s.kv_heads;
+  float* p = s.probs + tid * s.S;
   for (int64_t i = pairs * tid / n; i < pairs * (tid + 1) / n; ++i) {
     const int64_t b = i / H, hh = i % H, g = hh / group_heads, len = s.pos[b] + 1;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     const float* qv = s.q + (b * H + hh) * hd;
-    const float* keys = KC + (b * KVH + g) * S * hd;
-    const float* vals = VC + (b * KVH + g) * S * hd;
     float mx = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) {
-      p[t] = dot(qv, keys + t * hd, hd) * scale;
-      mx = std::max(mx, p[t]);
+    for (int64_t t = first; t < len; ++t) {
+      float score = kv_dot<T>(qv, kv_at(s, l, b, t, 0, g), hd) * s.scale;
+      if (s.softcap > 0.f) score = s.softcap * std::tanh(score / s.softcap);
+      p[t] = score;
+      mx = std::max(mx, score);
     }
     float total = 0.f;
-    for (int64_t t = 0; t < len; ++t) { p[t] = std::exp(p[t] - mx); total += p[t]; }
+    for (int64_t t = first; t < len; ++t) { p[t] = std::exp(p[t] - mx); total += p[t]; }
     float* out = s.attn + (b * H + hh) * hd;
     for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      const float pt = p[t] / total;
-      for (int64_t j = 0; j < hd; ++j) out[j] += pt * vals[t * hd + j];
-    }
+    for (int64_t t = first; t < len; ++t) kv_axpy<T>(out, p[t] / total, kv_at(s, l, b, t, 1, g), hd);
   }
 }
 
-// gate = silu(gate) * up and its quantization, on this thread's whole blocks of 32 of [B, F].
-void swiglu_quantized(const Step& s, int64_t F, int tid, int n) {
+void attention_any(const Step& s, int64_t l, int64_t H, int64_t window, int tid, int n) {
+  if (s.kv_type == KVType::BF16) attention<KVType::BF16>(s, l, H, window, tid, n);
+  else if (s.kv_type == KVType::F16) attention<KVType::F16>(s, l, H, window, tid, n);
+  else attention<KVType::F32>(s, l, H, window, tid, n);
+}
+
+inline float gelu_tanh(float g) {
+  const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi)
+  return 0.5f * g * (1.f + std::tanh(inner));
+}
+
+// gate = act(gate) * up and its quantization, on this thread's whole blocks of 32 of [B, F].
+void gated_quantized(const Step& s, int64_t F, int tid, int n) {
   const int64_t blocks = s.B * F / QK, b0 = blocks * tid / n, b1 = blocks * (tid + 1) / n;
   for (int64_t i = b0 * QK; i < b1 * QK; ++i) {
     const float g = s.gate[i];
-    s.gate[i] = g / (1.f + std::exp(-g)) * s.up[i];
+    s.gate[i] = (s.gelu ? gelu_tanh(g) : g / (1.f + std::exp(-g))) * s.up[i];
   }
   if (b1 > b0)
     quantize_rows(s.gate + b0 * QK, 1, (b1 - b0) * QK, s.codes + b0 * QK, s.block_scales + b0, s.block_sums + b0);
 }
 
-void add_into(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+// After the q/k/v products (thread 0): biases, per-head norms, rotary embedding, the cache write.
+void prepare_attention(const Step& s, int64_t l, int64_t H) {
+  const BlockExtras& e = s.extras[l];
+  const int64_t B = s.B, hd = s.hd, KVH = s.kv_heads;
+  add_bias(s.q, e.bq, B, H * hd);
+  add_bias(s.k, e.bk, B, KVH * hd);
+  add_bias(s.v, e.bv, B, KVH * hd);
+  if (e.q_norm) rms_norm(s.q, e.q_norm, B * H, hd, s.eps, s.q);
+  if (e.k_norm) rms_norm(s.k, e.k_norm, B * KVH, hd, s.eps, s.k);
+  const float* cos = e.local_rope ? s.cos_local : s.cos;
+  const float* sin = e.local_rope ? s.sin_local : s.sin;
+  rope(s.q, B, H, hd, s.pos, cos, sin);
+  rope(s.k, B, KVH, hd, s.pos, cos, sin);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < KVH; ++g) {
+      kv_store(s.kv_type, const_cast<void*>(kv_at(s, l, b, s.pos[b], 0, g)), s.k + (b * KVH + g) * hd, hd);
+      kv_store(s.kv_type, const_cast<void*>(kv_at(s, l, b, s.pos[b], 1, g)), s.v + (b * KVH + g) * hd, hd);
+    }
+}
+
+// The residual add of a sublayer's output (normalized first where the family has sandwich norms).
+void residual(const Step& s, const float* post_norm) {
+  if (post_norm) rms_norm(s.proj, post_norm, s.B, s.D, s.eps, s.proj);
+  add_into(s.x, s.proj, s.B * s.D);
 }
 
 // One thread's part of every block; the barriers order the phases.
-void run_blocks(const DecodeStack& st, const Step& s, float* const* kcs, float* const* vcs, const int64_t* kv_heads,
-                int tid, int n) {
-  const int64_t B = s.B, D = s.D, L = st.norms.size() / 2;
+void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
+  const int64_t B = s.B, D = s.D, L = st.norms.size() / 4;
   for (int64_t l = 0; l < L; ++l) {
     const QMatrix* M = st.mats.data() + 7 * l;
-    const int64_t H = M[0].rows / s.hd, KVH = kv_heads[l], F = M[4].rows;
+    const BlockExtras& e = s.extras[l];
+    const int64_t H = M[0].rows / s.hd, F = M[4].rows;
     if (tid == 0) {
-      if (l > 0) add_into(s.x, s.proj, B * D);  // the previous block's FFN residual
+      if (l > 0) residual(s, s.extras[l - 1].post_ffn);  // the previous block's FFN residual
       rms_norm(s.x, s.norms[2 * l], B, D, s.eps, s.h);
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
@@ -169,25 +200,16 @@ void run_blocks(const DecodeStack& st, const Step& s, float* const* kcs, float* 
     float* qkv[3] = {s.q, s.k, s.v};
     products(s, M, 3, qkv, tid, n);
     barrier();
-    if (tid == 0) {
-      rope(s.q, B, H, s.hd, s.pos, s.cos, s.sin);
-      rope(s.k, B, KVH, s.hd, s.pos, s.cos, s.sin);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t g = 0; g < KVH; ++g) {
-          const int64_t at = ((b * KVH + g) * s.S + s.pos[b]) * s.hd;
-          std::memcpy(kcs[l] + at, s.k + (b * KVH + g) * s.hd, s.hd * sizeof(float));
-          std::memcpy(vcs[l] + at, s.v + (b * KVH + g) * s.hd, s.hd * sizeof(float));
-        }
-    }
+    if (tid == 0) prepare_attention(s, l, H);
     barrier();
-    attention(s, kcs[l], vcs[l], H, KVH, tid, n);
+    attention_any(s, l, H, e.window, tid, n);
     barrier();
     if (tid == 0) quantize_rows(s.attn, B, M[3].K, s.codes, s.block_scales, s.block_sums);
     barrier();
     products(s, M + 3, 1, &s.proj, tid, n);
     barrier();
     if (tid == 0) {
-      add_into(s.x, s.proj, B * D);
+      residual(s, e.post_attn);
       rms_norm(s.x, s.norms[2 * l + 1], B, D, s.eps, s.h);
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
@@ -195,92 +217,114 @@ void run_blocks(const DecodeStack& st, const Step& s, float* const* kcs, float* 
     float* gate_up[2] = {s.gate, s.up};
     products(s, M + 4, 2, gate_up, tid, n);
     barrier();
-    swiglu_quantized(s, F, tid, n);
+    gated_quantized(s, F, tid, n);
     barrier();
     products(s, M + 6, 1, &s.proj, tid, n);
     barrier();
   }
-  if (tid == 0 && L > 0) add_into(s.x, s.proj, B * D);
+  if (tid == 0 && L > 0) residual(s, s.extras[L - 1].post_ffn);
+}
+
+const float* optional_weight(const at::Tensor& t, int64_t size, const char* what) {
+  if (!t.defined() || t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == size, what,
+              ": contiguous float32 of ", size, " values");
+  return t.data_ptr<float>();
 }
 
 }  // namespace
 
 DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor> w_, std::vector<int64_t> dims_,
-                         double eps_, int64_t head_dim_)
-    : norms(std::move(norms_)), w(std::move(w_)), dims(std::move(dims_)), eps(eps_), head_dim(head_dim_) {
-  const size_t L = norms.size() / 2;
-  TORCH_CHECK(norms.size() == 2 * L && w.size() == 21 * L && dims.size() == 14 * L,
-              "per block: two norms and seven quantized linears");
-  check_on_cpu(norms, "a block's norm");
+                         std::vector<at::Tensor> extras_, std::vector<int64_t> windows_, std::vector<int64_t> local_,
+                         double eps_, int64_t head_dim_, bool gelu_, double scale_, double softcap_)
+    : norms(std::move(norms_)), w(std::move(w_)), dims(std::move(dims_)), extras(std::move(extras_)),
+      windows(std::move(windows_)), local(std::move(local_)), eps(eps_), head_dim(head_dim_), gelu(gelu_),
+      scale(scale_), softcap(softcap_) {
+  const size_t L = norms.size() / 4;
+  TORCH_CHECK(norms.size() == 4 * L && w.size() == 21 * L && dims.size() == 14 * L && extras.size() == 5 * L &&
+              windows.size() == L && local.size() == L,
+              "per block: four norms (two may be empty), seven quantized linears, five optional extras, a window");
   check_on_cpu(w, "a block's quantized matrix");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "an even head size");
   for (size_t i = 0; i < 7 * L; ++i) mats.push_back(quantized_matrix(w[3 * i], w[3 * i + 1], w[3 * i + 2], dims[2 * i], dims[2 * i + 1]));
   for (size_t l = 0; l < L; ++l) {
     const QMatrix* M = mats.data() + 7 * l;
-    const int64_t D = M[0].K;
-    for (int j = 0; j < 2; ++j)
-      TORCH_CHECK(norms[2 * l + j].scalar_type() == at::kFloat && norms[2 * l + j].is_contiguous() &&
-                  norms[2 * l + j].numel() == D, "a block's norm: contiguous float32 of the model width");
-    TORCH_CHECK(M[1].K == D && M[2].K == D && M[0].rows % head_dim == 0 && M[1].rows % head_dim == 0 &&
+    const int64_t D = M[0].K, hd = head_dim;
+    TORCH_CHECK(M[1].K == D && M[2].K == D && M[0].rows % hd == 0 && M[1].rows % hd == 0 &&
                 M[1].rows == M[2].rows && M[3].K == M[0].rows && M[3].rows == D && M[4].K == D && M[5].K == D &&
                 M[4].rows == M[5].rows && M[4].rows % QK == 0 && M[6].K == M[4].rows && M[6].rows == D &&
                 (l == 0 || D == mats[0].K), "a block's seven matrices do not fit together (q, k, v, o, gate, up, down)");
+    BlockExtras e;
+    for (int j = 0; j < 2; ++j)
+      TORCH_CHECK(optional_weight(norms[4 * l + j], D, "a block's norm"), "a block's attention and FFN norms");
+    check_on_cpu({norms.begin() + 4 * l, norms.begin() + 4 * l + 4}, "a block's norm");
+    check_on_cpu({extras.begin() + 5 * l, extras.begin() + 5 * l + 5}, "a block's bias or q/k norm");
+    e.post_attn = optional_weight(norms[4 * l + 2], D, "a post-attention norm");
+    e.post_ffn = optional_weight(norms[4 * l + 3], D, "a post-FFN norm");
+    e.bq = optional_weight(extras[5 * l], M[0].rows, "a q bias");
+    e.bk = optional_weight(extras[5 * l + 1], M[1].rows, "a k bias");
+    e.bv = optional_weight(extras[5 * l + 2], M[2].rows, "a v bias");
+    e.q_norm = optional_weight(extras[5 * l + 3], hd, "a q norm");
+    e.k_norm = optional_weight(extras[5 * l + 4], hd, "a k norm");
+    TORCH_CHECK(windows[l] >= 0, "a window of >= 0 positions");
+    e.window = windows[l];
+    e.local_rope = local[l] != 0;
+    block_extras.push_back(e);
+    norm_weights.push_back(norms[4 * l].data_ptr<float>());
+    norm_weights.push_back(norms[4 * l + 1].data_ptr<float>());
   }
 }
 
 at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                                 std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const {
-  check_on_cpu({x, positions, cos, sin}, "the decode step's input");
-  check_on_cpu(kcs, "a K cache");
-  check_on_cpu(vcs, "a V cache");
-  const size_t L = norms.size() / 2;
-  TORCH_CHECK(kcs.size() == L && vcs.size() == L, "a K and a V cache per block");
+                                   at::Tensor cos_local, at::Tensor sin_local, at::Tensor pool,
+                                   at::Tensor table) const {
+  check_on_cpu({x, positions, cos, sin, cos_local, sin_local, pool, table}, "the decode step's input");
+  const int64_t L = norms.size() / 4;
   if (L == 0) return x;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == mats[0].K,
               "x: contiguous float32 [B, model width]");
   const int64_t B = x.size(0), D = x.size(1), hd = head_dim;
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == B &&
               positions.is_contiguous(), "one int64 position per row");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == hd,
-              "rotary tables: contiguous float32 [positions, head size]");
-  const int64_t S = kcs[0].dim() == 4 ? kcs[0].size(2) : 0;
-  std::vector<float*> kp(L), vp(L);
-  std::vector<int64_t> kv_heads(L);
+  for (const auto* t : {&cos, &sin, &cos_local, &sin_local})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->sizes() == cos.sizes() &&
+                t->size(1) == hd, "rotary tables: contiguous float32 [positions, head size]");
+  TORCH_CHECK(pool.is_contiguous() && pool.dim() == 6 && pool.size(1) == L && pool.size(2) == 2 && pool.size(5) == hd,
+              "the KV pool: contiguous [blocks, layers, 2, kv heads, block, head size]");
+  const auto dtype = pool.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "a float32, bf16 or fp16 KV pool");
+  TORCH_CHECK(table.scalar_type() == at::kInt && table.dim() == 2 && table.size(0) == B && table.is_contiguous(),
+              "an int32 block table [B, blocks per row]");
+  const int64_t KVH = pool.size(3), block = pool.size(4), width = table.size(1), S = width * block;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* tab = table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < S && pos[b] < cos.size(0), "position outside the cache or the rotary tables");
+    for (int64_t i = 0; i <= pos[b] / block; ++i)
+      TORCH_CHECK(tab[b * width + i] >= 0 && tab[b * width + i] < pool.size(0), "a block table entry outside the pool");
+  }
   int64_t widest = D, groups = 1, kv_max = 0;
-  for (size_t l = 0; l < L; ++l) {
-    const auto &kc = kcs[l], &vc = vcs[l];
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
-                vc.scalar_type() == at::kFloat && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(2) == S &&
-                kc.size(3) == hd && B <= kc.size(0), "float32 KV caches [rows >= B, kv heads, positions, head size]");
-    kv_heads[l] = kc.size(1);
+  for (int64_t l = 0; l < L; ++l) {
     const QMatrix* M = mats.data() + 7 * l;
-    TORCH_CHECK(M[1].rows == kv_heads[l] * hd && (M[0].rows / hd) % kv_heads[l] == 0,
-                "head counts do not match the cache");
-    kp[l] = kc.data_ptr<float>();
-    vp[l] = vc.data_ptr<float>();
+    TORCH_CHECK(M[1].rows == KVH * hd && (M[0].rows / hd) % KVH == 0, "head counts do not match the KV pool");
     widest = std::max({widest, M[0].rows, M[4].rows});
     kv_max = std::max(kv_max, M[1].rows);
     for (int j = 0; j < 7; ++j) groups = std::max(groups, M[j].groups);
   }
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < S && pos[b] < cos.size(0), "position outside the cache");
 
   const int threads = std::max(1, at::get_num_threads());
   auto out = x.clone();  // the residual stream, updated in place
-  const int64_t q_max = widest;
-  std::vector<float> floats(B * (2 * D + 4 * widest + 2 * kv_max + 2 * widest / QK) +
-                            threads * (B * groups + S));
+  std::vector<float> floats(B * (2 * D + 4 * widest + 2 * kv_max + 2 * widest / QK) + threads * (B * groups + S));
   std::vector<int8_t> codes(B * widest);
-  Step s{B, D, hd, S, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), (float)eps};
+  Step s{B, D, hd, S, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos_local.data_ptr<float>(),
+         sin_local.data_ptr<float>(), (float)eps};
   float* f = floats.data();
   auto take = [&](int64_t n) { float* p = f; f += n; return p; };
   s.x = out.data_ptr<float>();
   s.h = take(B * D);
   s.proj = take(B * D);
-  s.q = take(B * q_max);
-  s.attn = take(B * q_max);
+  s.q = take(B * widest);
+  s.attn = take(B * widest);
   s.gate = take(B * widest);
   s.up = take(B * widest);
   s.k = take(B * kv_max);
@@ -291,14 +335,23 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   s.xg = take(threads * s.xg_stride);
   s.probs = take(threads * S);
   s.codes = codes.data();
-  std::vector<const float*> norm_weights;
-  for (const auto& t : norms) norm_weights.push_back(t.data_ptr<float>());
   s.norms = norm_weights.data();
+  s.extras = block_extras.data();
+  s.pool = static_cast<uint8_t*>(pool.data_ptr());
+  s.kv_type = dtype == at::kFloat ? KVType::F32 : dtype == at::kBFloat16 ? KVType::BF16 : KVType::F16;
+  s.layers = L;
+  s.kv_heads = KVH;
+  s.block = block;
+  s.width = width;
+  s.table = tab;
+  s.gelu = gelu;
+  s.scale = (float)scale;
+  s.softcap = (float)softcap;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  run_blocks(*this, s, kp.data(), vp.data(), kv_heads.data(), omp_get_thread_num(), omp_get_num_threads());
+  run_blocks(*this, s, omp_get_thread_num(), omp_get_num_threads());
 #else
-  run_blocks(*this, s, kp.data(), vp.data(), kv_heads.data(), 0, 1);
+  run_blocks(*this, s, 0, 1);
 #endif
   return out;
 }

@@ -76,15 +76,30 @@ bool built_with_vnni();
 std::vector<at::Tensor> qgemv_many(const at::Tensor& x, const std::vector<at::Tensor>& w,
                                    const std::vector<int64_t>& dims);
 // All transformer blocks of a model for one new token per row (decode_layer.cpp): built once with
-// the blocks' weights, so a decode step passes only the activations and the KV caches.
+// the blocks' weights and options, so a decode step passes only the activations and the paged KV cache.
+// One block's optional parts (null / 0 where the family has none).
+struct BlockExtras {
+  const float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // q/k/v biases (Qwen2)
+  const float *q_norm = nullptr, *k_norm = nullptr;         // per-head RMSNorm weights (Qwen3, Gemma 3)
+  const float *post_attn = nullptr, *post_ffn = nullptr;    // sandwich norms (Gemma)
+  int64_t window = 0;                                       // sliding window (0: every earlier position)
+  bool local_rope = false;                                  // the sliding layers' own rotary tables
+};
 struct DecodeStack {
-  DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps,
-              int64_t head_dim);
-  at::Tensor operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                        std::vector<at::Tensor> kcs, std::vector<at::Tensor> vcs) const;
-  std::vector<at::Tensor> norms, w;  // per block: attention and FFN norm; 7 x (qweight, scales, mins)
+  DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> w, std::vector<int64_t> dims,
+              std::vector<at::Tensor> extras, std::vector<int64_t> windows, std::vector<int64_t> local, double eps,
+              int64_t head_dim, bool gelu, double scale, double softcap);
+  at::Tensor operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor cos_local,
+                        at::Tensor sin_local, at::Tensor pool, at::Tensor table) const;
+  std::vector<at::Tensor> norms, w;  // per block: attention, FFN, post-attention, post-FFN norm; 7 x (qweight, scales, mins)
   std::vector<int64_t> dims;         // per block: 7 x (group, rows)
+  std::vector<at::Tensor> extras;    // per block: q, k, v biases, q and k norms (empty where absent)
+  std::vector<int64_t> windows, local;  // per block: sliding window (0: none), 1: the local rotary tables
   double eps;
   int64_t head_dim;
+  bool gelu;             // GELU-tanh gate (Gemma) instead of SiLU
+  double scale, softcap;  // the query scale; attention scores soft-capped at this (0: not)
   std::vector<QMatrix> mats;         // per block: q, k, v, o, gate, up, down
+  std::vector<BlockExtras> block_extras;
+  std::vector<const float*> norm_weights;  // per block: attention and FFN norm
 };

@@ -1,0 +1,67 @@
+"""Decode speed of a GGUF model in hardy against llama.cpp's own `llama-bench` on the same file, alternating
+(llama-bench tg, then hardy, repeated), same threads: tokens/s medians with a 95% interval and the ratio.
+
+    python bench/family_decode.py --model gemma3-270m --reps 7            # the issue-37 goal: >= 1.2x
+    python bench/family_decode.py --model FILE.gguf --kv-dtype fp32
+
+hardy's run is `generate` from the file's BOS, `--new-tokens` greedy tokens through the fused decode stack
+and the paged KV cache (--kv-dtype); llama-bench's tg test decodes the same number from an empty context
+with its default f16 KV cache. Each hardy repetition is a fresh generation in one loaded process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from native import LLAMA_CPP, cpu_line, fmt, llama_bench, median_ci  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from hardy.infer.generate import SamplingConfig, generate
+    from hardy.infer.kv import KV_DTYPES
+    from hardy.loading.load import load_model, resolve_source
+
+    torch.set_num_threads(args.threads)
+    _, path = resolve_source(args.model)
+    loaded = load_model(args.model, gguf="native")
+    prompt = [loaded.tokenizer.bos_id if loaded.tokenizer.bos_id is not None else 0]
+    cfg = SamplingConfig(max_new_tokens=args.new_tokens + 1)  # the first comes from the prefill
+
+    def hardy_tps() -> float:
+        g = generate(loaded.model, prompt, cfg, kv_dtype=KV_DTYPES[args.kv_dtype])
+        return g.stats.decode_tps
+
+    hardy_tps()  # warm-up (first-touch of the weights, allocator)
+    ours, theirs = [], []
+    for rep in range(args.reps):
+        theirs += llama_bench(path, args.threads, prompt=0, gen=args.new_tokens)
+        ours.append(hardy_tps())
+        print(f"rep {rep + 1}: llama.cpp {theirs[-1]:.1f}  hardy {ours[-1]:.1f} tokens/s", flush=True)
+    h, c = median_ci(ours), median_ci(theirs)
+    ratios = median_ci([a / b for a, b in zip(ours, theirs)])
+    print(f"\n{args.model} ({path.name}), {args.threads} threads, tg{args.new_tokens}, {cpu_line()}; {LLAMA_CPP}")
+    print("| runtime | decode tokens/s, median [95% interval] |\n|---|---|")
+    print(f"| llama.cpp llama-bench (f16 KV) | {fmt(*c)} |\n| hardy ({args.kv_dtype} KV) | {fmt(*h)} |")
+    print(f"ratio hardy / llama.cpp, per alternating pair: {fmt(*ratios, digits=2)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "file": str(path), "threads": args.threads,
+                                               "hardy": ours, "llama_cpp": theirs, "cpu": cpu_line(),
+                                               "llama_cpp_build": LLAMA_CPP, "kv_dtype": args.kv_dtype}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
