@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--pause", type=float, default=1.0, help="seconds of rest before each run (both runtimes)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -48,7 +50,9 @@ def main() -> None:
     hardy_tps()  # warm-up (first-touch of the weights, allocator)
     ours, theirs = [], []
     for rep in range(args.reps):
+        time.sleep(args.pause)
         theirs += llama_bench(path, args.threads, prompt=0, gen=args.new_tokens)
+        time.sleep(args.pause)
         ours.append(hardy_tps())
         print(f"rep {rep + 1}: llama.cpp {theirs[-1]:.1f}  hardy {ours[-1]:.1f} tokens/s", flush=True)
     h, c = median_ci(ours), median_ci(theirs)

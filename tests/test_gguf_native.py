@@ -102,6 +102,20 @@ def test_q4_k_keeps_its_codes_and_rounds_only_the_sub_block_scales():
     assert err.max() < 1e-3 * reference.abs().max()
 
 
+def test_q5_0_is_the_5_bit_grid_exactly_and_exports_back_to_the_same_bytes(tmp_path):
+    """Q5_0's (q − 16)·d is hardy's 5-bit symmetric grid: loaded without a rounding, computed by the
+    kernels from the file's 5.5 bits per weight (nibbles + fifth bits), and repacked into identical blocks."""
+    from hardy.formats.gguf_export import repack_blocks
+    from hardy.formats.gguf_quant import INT5_G32
+
+    qtype = gguf.GGMLQuantizationType.Q5_0
+    t = _fake_tensor(qtype, 6, _random_blocks(qtype, 6, 512, (0,), seed=3))
+    reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(6, 512))
+    q = packed_from_gguf(t)
+    assert q.spec == INT5_G32 and torch.equal(q.dequantize(), reference)
+    assert np.array_equal(repack_blocks(q.quant_tensor(), "Q5_0"), np.asarray(t.data).reshape(6, -1))
+
+
 @pytest.mark.parametrize("type_name,half_offsets", [("Q6_K", (208,)), ("Q5_K", (0, 2)), ("Q3_K", (108,))])
 def test_other_types_are_requantized_to_int8_within_half_a_step(type_name, half_offsets):
     qtype = gguf.GGMLQuantizationType[type_name]

@@ -15,9 +15,10 @@ from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
 from hardy.formats.quantized import QuantSpec, rtn
 
-# int4 on both grids: asymmetric (Q4_1, with mins) and symmetric (Q4_0, the offset from the scale)
+# int4 on both grids: asymmetric (Q4_1, with mins) and symmetric (Q4_0, the offset from the scale); the 5-bit
+# grid (Q5_0: the int4 layout plus a plane of fifth bits)
 SPECS = [QuantSpec(4, 32), QuantSpec(4, 128), QuantSpec(4, 32, True), QuantSpec(4, 128, True), QuantSpec(8, 0),
-         QuantSpec(8, 32)]
+         QuantSpec(8, 32), QuantSpec(5, 32, True), QuantSpec(5, 128, True)]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +73,8 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
     other.load_state_dict(stored)
     assert torch.equal(other.qweight, layer.qweight) and torch.equal(other.dequantized_weight(), weight)
 
-    # the symmetric int4 grid (no mins) and int8 (per group, per channel): tiled the same way
-    for spec in (QuantSpec(4, 32, True), QuantSpec(8, 32), QuantSpec(8, 0)):
+    # the symmetric int4 grid (no mins), int8 (per group, per channel) and 5-bit: tiled the same way
+    for spec in (QuantSpec(4, 32, True), QuantSpec(8, 32), QuantSpec(8, 0), QuantSpec(5, 32, True)):
         other_layer = _layer(spec, out=100)
         other_stored = {k: v.clone() for k, v in other_layer.state_dict().items()}
         other_weight = other_layer.dequantized_weight()
@@ -81,7 +82,8 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
         groups = spec.groups(576)
         assert other_layer.tiled and other_layer.mins is None and set(other_stored) == {"qweight", "scales"}
         assert other_layer.scales.shape == (13, groups, 8)
-        assert other_layer.qweight.shape == (104, 288 if spec.bits == 4 else 576)
+        assert other_layer.qweight.shape == (104, 288 if spec.bits in (4, 5) else 576)  # 5-bit: nibbles + fifth bits
+        assert (other_layer.high.shape == (13, 18, 8)) if spec.bits == 5 else not hasattr(other_layer, "high")
         assert not torch.equal(other_layer.qweight[:100], other_stored["qweight"])
         assert all(torch.equal(v, other_stored[k]) for k, v in other_layer.state_dict().items())
         assert torch.equal(other_layer.dequantized_weight(), other_weight)
@@ -93,7 +95,7 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
         reloaded.load_state_dict(other_stored)
         assert torch.equal(reloaded.dequantized_weight(), other_weight)
 
-    for spec in (QuantSpec(4, 32), QuantSpec(4, 32, True), QuantSpec(8, 0)):  # lookups then C++ dequantization
+    for spec in (QuantSpec(4, 32), QuantSpec(4, 32, True), QuantSpec(8, 0), QuantSpec(5, 32, True)):  # lookups
         emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, spec))
         tokens = torch.tensor([[3, 59], [56, 0]])
         before = emb(tokens)
@@ -109,7 +111,7 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     if isa == "avx2" and not ext.has_vnni():
         pytest.skip("the build in use is the AVX2 one (or narrower)")
     check = "not m.has_avx2()" if isa == "generic" else "m.has_avx2() and not m.has_vnni()"
-    specs = [(4, 32, False), (4, 128, False), (4, 32, True), (8, 32, True), (8, 0, True)]
+    specs = [(4, 32, False), (4, 128, False), (4, 32, True), (8, 32, True), (8, 0, True), (5, 32, True)]
     script = (
         "import torch, json; from hardy.compress import kernels; from hardy.compress.qlinear import QuantLinear;"
         f"from hardy.formats.quantized import QuantSpec, rtn; m = kernels.load(); assert {check};"

@@ -22,7 +22,7 @@ def register(sub) -> None:
     add_model_args(p, gguf=False)  # compression starts from float weights
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--quant", choices=["rtn", "gptq", "awq"], default=None)
-    p.add_argument("--bits", type=int, default=4, choices=[8, 4, 3])
+    p.add_argument("--bits", type=int, default=4, choices=[8, 5, 4, 3])
     p.add_argument("--group-size", type=int, default=None,
                    help="input columns per scale (0 = per output channel); default 0 for 8 bits, 128 below")
     p.add_argument("--symmetric", action="store_true",

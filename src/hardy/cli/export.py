@@ -14,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--format", required=True, choices=["safetensors", "gguf"])
     p.add_argument("--out", required=True, help="output directory (safetensors) or .gguf file (must not exist)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="safetensors: dtype of the written weights")
-    p.add_argument("--type", default="F32", choices=["F32", "F16", "Q8_0", "Q4_0", "Q4_1"],
+    p.add_argument("--type", default="F32", choices=["F32", "F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1"],
                    help="gguf: tensor type (hardy int4 g32 / int8 g32 weights are repacked as Q4_1 / Q8_0 losslessly)")
     p.set_defaults(func=run)
 

@@ -91,14 +91,18 @@ def supports(layer) -> bool:
     spec, cols = layer.spec, layer.in_features
     if cols % 32 or kernel_group(layer) % 32:
         return False
-    return spec.bits == 4 or (spec.bits == 8 and spec.symmetric)  # int4: with mins (Q4_1 grid) or without (Q4_0)
+    # int4: with mins (Q4_1 grid) or without (Q4_0); 5-bit: symmetric (Q5_0); int8: symmetric (Q8_0)
+    return spec.bits == 4 or (spec.bits in (5, 8) and spec.symmetric)
 
 
 _NO_MINS = torch.empty(0, dtype=torch.float16)  # symmetric layers (int8, int4 Q4_0 grid) have no mins
 
 
 def kernel_tensors(layer) -> list[torch.Tensor]:
-    """(qweight, scales, mins) as the extension takes them: mins empty on a symmetric grid."""
+    """(qweight, scales, mins) as the extension takes them: mins empty on a symmetric grid, the fifth
+    bits (int32) in their place on the 5-bit one."""
+    if layer.spec.bits == 5:
+        return [layer.qweight, layer.scales, layer.high]
     return [layer.qweight, layer.scales, _NO_MINS if layer.mins is None else layer.mins]
 
 

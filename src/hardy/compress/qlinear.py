@@ -62,13 +62,17 @@ class QuantLinear(nn.Module):
         return out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in ("qweight", "scales", "mins") if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in ("qweight", "scales", "mins", "high")
+                if getattr(self, name, None) is not None}
 
     def use_tiled_layout(self) -> None:
         """Re-lay the codes for the kernel (hardy.formats.quantized.tile_codes), once."""
         if not self.tiled:
-            for name, tensor in tile_codes(self._tensors()).items():
-                setattr(self, name, tensor)  # replaces the buffer: one copy of the weights either way
+            for name, tensor in tile_codes(self._tensors(), self.spec.bits).items():
+                if name in self._buffers:
+                    setattr(self, name, tensor)  # replaces the buffer: one copy of the weights either way
+                else:
+                    self.register_buffer(name, tensor)  # the 5-bit grid's fifth bits
             self.tiled = True
 
     def stored(self, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -89,9 +93,9 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.tiled:  # stored layout in, kernel layout kept
-            names = [prefix + n for n in self._tensors()]  # no mins on a symmetric grid
+            names = [prefix + n for n in self._tensors() if n != "high"]  # no mins on a symmetric grid
             if all(n in state_dict for n in names):
-                tiled = tile_codes({n.removeprefix(prefix): state_dict[n] for n in names})
+                tiled = tile_codes({n.removeprefix(prefix): state_dict[n] for n in names}, self.spec.bits)
                 state_dict = {**state_dict, **{prefix + n: t for n, t in tiled.items()}}
         super()._load_from_state_dict(state_dict, prefix, *args)
 

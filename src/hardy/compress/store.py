@@ -31,8 +31,8 @@ from hardy.model.transformer import meta_transformer
 FORMAT = "hardy.quant/1"
 MANIFEST = "quantization.json"
 PACKING = ("4-bit: two codes per byte in blocks of 32 input columns, byte j = code j (low nibble) | "
-           "code j+16 (high nibble); 8-bit: int8 codes (symmetric: w = code * scale); 3-bit: one uint8 code "
-           "per byte; asymmetric: w = code * scale + min; symmetric below 8 bits: w = (code - 2^(bits-1)) * "
+           "code j+16 (high nibble); 8-bit: int8 codes (symmetric: w = code * scale); 3-bit and 5-bit: one uint8 "
+           "code per byte; asymmetric: w = code * scale + min; symmetric below 8 bits: w = (code - 2^(bits-1)) * "
            "scale, no mins; scale/min fp16 per (row, group), computed in fp32")
 
 

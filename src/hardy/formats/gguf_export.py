@@ -9,7 +9,8 @@ Norms and biases stay F32 (llama.cpp needs 1-D tensors in F32) and a matrix whos
 multiple of the 32-value block is written F16.
 
 hardy's own quantized tensors are written without re-quantizing where the formats match: int4
-asymmetric group 32 *is* Q4_1, int4 symmetric group 32 *is* Q4_0 and int8 symmetric group 32 *is* Q8_0
+asymmetric group 32 *is* Q4_1, int4 symmetric group 32 *is* Q4_0, 5-bit symmetric group 32 *is* Q5_0 and
+int8 symmetric group 32 *is* Q8_0
 (same fp16 scale/min and codes, same packing) — the bytes are repacked, not recomputed. Anything else is dequantized and quantized
 with the `gguf` package's reference kernels.
 """
@@ -29,16 +30,17 @@ import torch
 from hardy.errors import HardyError
 from hardy.formats.gguf_families import PERMUTED_QK, gguf_arch, write_metadata
 from hardy.formats.names import permute_qk, to_format
-from hardy.formats.quantized import QuantSpec, QuantTensor
+from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4
 
-TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+TYPES = ("F32", "F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1")
 log = logging.getLogger("hardy")
 BLOCK = 32
 
 
 def _file_type(name: str):
     return {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-            "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+            "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+            "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
             "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[name]
 
 
@@ -53,6 +55,11 @@ def repack_blocks(qt: QuantTensor, qtype: str) -> np.ndarray | None:
         parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["qweight"].reshape(-1, BLOCK // 2).numpy()]
     elif qtype == "Q8_0" and qt.spec == QuantSpec(8, BLOCK, True):
         parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), p["qweight"].reshape(-1, BLOCK).numpy().view(np.uint8)]
+    elif qtype == "Q5_0" and qt.spec == QuantSpec(5, BLOCK, True):
+        codes = qt.codes.to(torch.int64).reshape(-1, BLOCK)  # a block per row: d, the fifth bits, the nibbles
+        high = (((codes >> 4) & 1) << torch.arange(BLOCK)).sum(-1).to(torch.int32)
+        parts = [p["scales"].reshape(-1, 1).numpy().view(np.uint8), high.reshape(-1, 1).numpy().view(np.uint8),
+                 pack_int4((qt.codes & 15).reshape(-1, BLOCK)).numpy()]
     else:
         return None
     return np.ascontiguousarray(np.concatenate(parts, axis=1).reshape(rows, -1))

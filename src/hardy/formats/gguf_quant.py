@@ -6,8 +6,8 @@ read from the memory-mapped file one tensor at a time: no float copy of the mode
   Q4_1        -> int4 asymmetric, group 32: exact. Q4_1 *is* hardy's format (fp16 scale and min,
                  the same nibble order).
   Q8_0        -> int8 symmetric, group 32: exact (fp16 scale, int8 codes).
-  Q5_0        -> int8 symmetric, group 32: exact. Q5_0's (q − 16)·d with q in 0..31 is an int8 code in
-                 −16..15 on the same fp16 scale (8.5 bits per weight in memory where the file has 5.5).
+  Q5_0        -> 5-bit symmetric, group 32: exact. Q5_0 *is* hardy's 5-bit grid ((q − 16)·d, fp16 d); the
+                 kernels hold it as Q4 nibbles plus a plane of fifth bits: 5.5 bits per weight, as the file.
   Q4_K        -> int4 asymmetric, group 32: the codes unchanged, each sub-block's scale d·sc and min
                  dmin·m (fp32 products of fp16 and 6-bit integers in llama.cpp) rounded to fp16 —
                  a relative error of at most 2⁻¹¹ in each, far below a 4-bit step.
@@ -34,6 +34,7 @@ EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4
 INT4_G32 = QuantSpec(4, 32, False)
 INT4_SYM_G32 = QuantSpec(4, 32, True)
 INT8_G32 = QuantSpec(8, 32, True)
+INT5_G32 = QuantSpec(5, 32, True)
 
 
 @dataclass(frozen=True)
@@ -115,14 +116,14 @@ def _q8_0(t) -> PackedQuant:
 
 
 def _q5_0(t) -> PackedQuant:
-    """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles) as int8 codes q − 16 on scale d."""
+    """Q5_0 blocks (fp16 d, 32 fifth bits, 16 bytes of low nibbles) as 5-bit codes q on scale d."""
     blocks, rows, cols = _blocks(t, 32, 22)
     high = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)  # [rows, nb, 1], bit j: value j's fifth bit
     bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, nb, 32]
     qs = blocks[:, :, 6:]
     low = np.concatenate([qs & 15, qs >> 4], axis=2)  # values 0-15 in the low nibbles, 16-31 in the high
-    codes = ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
-    return PackedQuant({"qweight": torch.from_numpy(codes), "scales": _half(blocks, 0)}, INT8_G32, (rows, cols))
+    codes = (low | (bits << 4)).reshape(rows, cols)
+    return PackedQuant({"qweight": torch.from_numpy(codes), "scales": _half(blocks, 0)}, INT5_G32, (rows, cols))
 
 
 def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,7 +262,8 @@ def _column_slice(q: PackedQuant, t, tp: TPSlice) -> PackedQuant:
     b0, b1 = _column_blocks(t, tp, cols, values)
     c0, c1 = b0 * values, b1 * values
     stored = q.stored()
-    parts = {"qweight": stored["qweight"][:, c0 * q.spec.bits // 8:c1 * q.spec.bits // 8].contiguous()}
+    per_byte = 2 if q.spec.bits == 4 else 1  # codes per stored byte (one per byte at 3, 5 and 8 bits)
+    parts = {"qweight": stored["qweight"][:, c0 // per_byte:c1 // per_byte].contiguous()}
     for name in ("scales", "mins"):
         if name in stored:
             parts[name] = stored[name][:, c0 // 32:c1 // 32].contiguous()
@@ -306,4 +308,6 @@ def spec_for(type_name: str) -> QuantSpec:
     """The hardy format a quantized GGUF type loads as (see the table above)."""
     if type_name == "Q4_0":
         return INT4_SYM_G32
+    if type_name == "Q5_0":
+        return INT5_G32
     return INT4_G32 if type_name in ("Q4_1", "Q4_K") else INT8_G32

@@ -2,15 +2,16 @@
 
 Three grids, each chosen so that llama.cpp's blocks are the same numbers:
   symmetric (int8):   w = code · scale,               code ∈ [−127, 127]   (GGUF Q8_0 at group 32)
-  symmetric (4/3):    w = (code − 2^(b−1)) · scale,   code ∈ [0, 2^b − 1]  (GGUF Q4_0 at 4 bits, group 32:
-                      no min stored — 18 bytes per 32 weights against Q4_1's 20)
+  symmetric (5/4/3):  w = (code − 2^(b−1)) · scale,   code ∈ [0, 2^b − 1]  (GGUF Q5_0 / Q4_0 at 5 / 4 bits,
+                      group 32: no min stored — 18 bytes per 32 weights against Q4_1's 20)
   asymmetric (4/3):   w = code · scale + min,         code ∈ [0, 2^b − 1]  (GGUF Q4_1 at 4 bits, group 32)
 `scale` and `min` are stored as fp16 and the arithmetic is fp32, exactly as llama.cpp dequantizes,
 so hardy's int8/int4 tensors repack into GGUF blocks losslessly. A group is `group_size`
 consecutive input columns of one output row (group 0 = the whole row: per-channel).
 4-bit codes are packed two per byte in blocks of 32 columns: byte j of a block holds code j in its
 low nibble and code j + 16 in its high nibble (GGUF's Q4 order). 3-bit codes are kept one per byte
-(the size they would have packed is reported; their accuracy is what is evaluated).
+(the size they would have packed is reported; their accuracy is what is evaluated), and so are 5-bit
+codes on disk; the kernels hold them as the low nibbles in the 4-bit layout plus a plane of fifth bits.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ class QuantSpec:
     symmetric: bool | None = None  # default: symmetric for 8 bits, asymmetric below
 
     def __post_init__(self):
-        if self.bits not in (8, 4, 3):
-            raise HardyError(f"--bits must be 8, 4 or 3 (got {self.bits})")
+        if self.bits not in (8, 5, 4, 3):
+            raise HardyError(f"--bits must be 8, 5, 4 or 3 (got {self.bits})")
         if self.group_size < 0 or (self.group_size and self.group_size % PACK_BLOCK and self.bits == 4):
             raise HardyError(f"--group-size must be 0 (per channel) or a multiple of {PACK_BLOCK} (got {self.group_size})")
         if self.symmetric is None:
@@ -204,14 +205,27 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 # The kernels' tiled layout (csrc/qgemv.cpp reads it; GGUF loading converts straight into it).
 TILE = 8  # rows interleaved per tile (csrc/qgemv.cpp, matrix_tiles)
+# Where code j's fifth bit goes in its row's 32-bit word of a block (csrc/qgemv.cpp, fifth_bits): byte i,
+# bit 2c + h, for j = 16h + 4c + i — the byte and bit the tile loop reads for chunk c's nibble h.
+FIFTH_BIT_AT = torch.tensor([8 * (j % 4) + 2 * ((j % 16) // 4) + j // 16 for j in range(PACK_BLOCK)])
 
 
-def tile_codes(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def tile_codes(stored: dict[str, torch.Tensor], bits: int = 0) -> dict[str, torch.Tensor]:
     """int4 or int8 qweight/scales[/mins] from the stored layout ([rows, bytes]: GGUF Q4 blocks or
     int8 codes; [rows, groups]) to the kernel's: rows padded to a multiple of 8 with zeros, each
     tile's row bytes as 4-byte chunks of its 8 rows in turn, scales and mins [tiles, groups, 8] (no
     mins on a symmetric grid). A byte permutation: nothing is re-quantized, and `untile_codes`
-    restores the stored tensors exactly."""
+    restores the stored tensors exactly. `bits` 5: codes one per byte become their low nibbles in the
+    int4 layout and `high`, each row's fifth bits per block of 32 as one int32 [tiles, blocks, 8]."""
+    if bits == 5:
+        codes = stored["qweight"]
+        rows, cols = codes.shape
+        high = (((codes >> 4) & 1).to(torch.int64).view(rows, cols // PACK_BLOCK, PACK_BLOCK)
+                << FIFTH_BIT_AT).sum(-1)
+        out = tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"]})
+        high = torch.cat([high, high.new_zeros(-rows % TILE, high.shape[1])]) if rows % TILE else high
+        out["high"] = high.to(torch.int32).view(-1, TILE, high.shape[1]).transpose(1, 2).contiguous()
+        return out
     q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
     rows, width = q.shape
     pad = -rows % TILE
@@ -224,6 +238,14 @@ def tile_codes(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _with_fifth_bits(nibbles: dict[str, torch.Tensor], high: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Stored 5-bit codes (one per byte) from the low nibbles' stored layout and rows' fifth bits [rows, blocks]."""
+    low = unpack_int4(nibbles["qweight"])
+    bits = ((high.to(torch.int64) & 0xFFFFFFFF)[:, :, None] >> FIFTH_BIT_AT) & 1
+    codes = low | (bits.reshape(low.shape) << 4).to(torch.uint8)
+    return {"qweight": codes, "scales": nibbles["scales"]}
+
+
 def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """The stored-layout tensors of the given rows only (embedding lookups read a few rows)."""
     q = tiled["qweight"]
@@ -233,6 +255,8 @@ def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, 
     for name in ("scales", "mins"):
         if name in tiled:
             out[name] = tiled[name][tile, :, lane]
+    if "high" in tiled:
+        return _with_fifth_bits(out, tiled["high"][tile, :, lane])
     return out
 
 
@@ -244,4 +268,7 @@ def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.T
     for name in ("scales", "mins"):
         if name in tiled:
             out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
-    return {name: t[:rows] for name, t in out.items()}
+    out = {name: t[:rows] for name, t in out.items()}
+    if "high" in tiled:
+        return _with_fifth_bits(out, tiled["high"].transpose(1, 2).reshape(padded, -1)[:rows])
+    return out

@@ -59,11 +59,20 @@ class Generation:
 MIN_TEMPERATURE = 1e-4
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """The first index of the largest logit. numpy's vectorized argmax on the CPU: at Gemma's 262k
+    vocabulary torch.argmax took 0.3 ms of a 11 ms decode step, numpy's 0.03 ms (the same first-index
+    rule on ties)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1 and not logits.requires_grad:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
     """Next token from the last position's logits [vocab]. Sampling runs on the CPU with a CPU
     generator whatever the model's device, so a seed draws the same tokens on every device."""
     if cfg.temperature < MIN_TEMPERATURE:  # below this, logits / temperature overflows: greedy is the limit
-        return int(torch.argmax(logits))
+        return greedy(logits)
     probs = torch.softmax(logits.float().cpu() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)

@@ -154,10 +154,32 @@ inline void prefetch_start(const void* first, int64_t bytes) {
   for (int64_t off = 0, n = std::min<int64_t>(PF_BYTES, bytes); off < n; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 #endif
 }
-template <bool HasMin>
+// The 5-bit grid's fifth bits are laid out for the tile loop (hardy.formats.quantized.tile_codes): per
+// tile and block, byte 4r + i holds in bit 2c + h the fifth bit of row r's code 16h + 4c + i, the code
+// that byte meets in chunk c's low (h = 0) or high (h = 1) nibble. One shift and one mask then give
+// a chunk's 32 fifth bits as 0 or 16 in place, instead of spreading bits of each row to bytes.
+#ifdef HARDY_AVX2
+template <int P>
+inline __m256i fifth_bits(__m256i h) {  // bit P of every byte, as 16 or 0
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  if constexpr (P < 4) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - P), sixteen);
+  else if constexpr (P > 4) return _mm256_and_si256(_mm256_srli_epi16(h, P - 4), sixteen);
+  else return _mm256_and_si256(h, sixteen);
+}
+#endif
+
+inline int fifth_bit(uint32_t lane, int code) {  // row's fifth bit of `code` from its 32-bit lane
+  const int half = code / 16, c = (code % 16) / 4, i = code % 4;
+  return (lane >> (8 * i + 2 * c + half)) & 1;
+}
+
+// The int4 tile; Bits5: with each code's fifth bit from H (the 5-bit grid, (code − 16) · scale).
+template <bool HasMin, bool Bits5 = false>
 inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
-                     const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid) {
+                     const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid,
+                     const uint32_t* H = nullptr) {
   float out[8];
+  const float offset = Bits5 ? 16.f : 8.f;
 #ifdef HARDY_AVX2
   const __m256i low = _mm256_set1_epi8(0x0f);
   __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
@@ -169,14 +191,27 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
       _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES + 64), _MM_HINT_T0);
       const int8_t* x = xq + b * QK;
-      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
+      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256(), high;
+      if constexpr (Bits5) {
+        high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H + 8 * b));
+        _mm_prefetch(reinterpret_cast<const char*>(H + 8 * b) + PF_BYTES / 4, _MM_HINT_T0);
+      }
+      auto chunk = [&](int c, __m256i top0, __m256i top1) {
         int32_t lo4, hi4;
         std::memcpy(&lo4, x + 4 * c, 4);
         std::memcpy(&hi4, x + 16 + 4 * c, 4);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-        d0 = dot_acc(d0, _mm256_and_si256(v, low), _mm256_set1_epi32(lo4));
-        d1 = dot_acc(d1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi32(hi4));
+        d0 = dot_acc(d0, _mm256_or_si256(_mm256_and_si256(v, low), top0), _mm256_set1_epi32(lo4));
+        d1 = dot_acc(d1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), top1), _mm256_set1_epi32(hi4));
+      };
+      if constexpr (Bits5) {
+        chunk(0, fifth_bits<0>(high), fifth_bits<1>(high));
+        chunk(1, fifth_bits<2>(high), fifth_bits<3>(high));
+        chunk(2, fifth_bits<4>(high), fifth_bits<5>(high));
+        chunk(3, fifth_bits<6>(high), fifth_bits<7>(high));
+      } else {
+        const __m256i zero = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) chunk(c, zero, zero);
       }
       part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(dx[b]), part);
     }
@@ -186,7 +221,7 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
       acc_min = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(M + 8 * g))),
                                 _mm256_set1_ps(xg[g]), acc_min);
     } else {
-      acc = _mm256_fmadd_ps(_mm256_sub_ps(part, _mm256_set1_ps(8.f * xg[g])), scale, acc);
+      acc = _mm256_fmadd_ps(_mm256_sub_ps(part, _mm256_set1_ps(offset * xg[g])), scale, acc);
     }
   }
   _mm256_storeu_ps(out, _mm256_add_ps(acc, acc_min));
@@ -194,16 +229,19 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   for (int r = 0; r < 8; ++r) {
     auto dot = [&](int64_t b) {
       int32_t sum = 0;
+      const uint32_t h = Bits5 ? H[8 * b + r] : 0;
       for (int c = 0; c < 4; ++c)
         for (int i = 0; i < 4; ++i) {
           const uint8_t byte = W[b * 128 + 32 * c + 4 * r + i];
-          sum += (byte & 0x0f) * xq[b * QK + 4 * c + i] + (byte >> 4) * xq[b * QK + 16 + 4 * c + i];
+          const int32_t lo = (byte & 0x0f) | (Bits5 ? fifth_bit(h, 4 * c + i) << 4 : 0);
+          const int32_t hi = (byte >> 4) | (Bits5 ? fifth_bit(h, 16 + 4 * c + i) << 4 : 0);
+          sum += lo * xq[b * QK + 4 * c + i] + hi * xq[b * QK + 16 + 4 * c + i];
         }
       return sum;
     };
     out[r] = scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(S[8 * g + r]); });
     for (int64_t g = 0; g < G; ++g)
-      out[r] += HasMin ? half_to_float(M[8 * g + r]) * xg[g] : -8.f * half_to_float(S[8 * g + r]) * xg[g];
+      out[r] += HasMin ? half_to_float(M[8 * g + r]) * xg[g] : -offset * half_to_float(S[8 * g + r]) * xg[g];
   }
 #endif
   std::memcpy(y, out, valid * sizeof(float));
@@ -302,15 +340,20 @@ QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, co
   m.tiles = qweight.size(0) / 8;
   m.groups = (m.K + group - 1) / group;
   m.blocks_per_group = group / QK;
+  const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.dim() == 3 && scales.size(0) == m.tiles && scales.size(1) == m.groups && scales.size(2) == 8 &&
               (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
-                                     mins.is_contiguous())),
-              "quantized scales and mins: contiguous fp16 [tiles, groups, 8] (mins only on the asymmetric int4 grid)");
+                                     mins.is_contiguous()) ||
+               (bits5 && mins.is_contiguous() && mins.dim() == 3 && mins.size(0) == m.tiles &&
+                mins.size(1) == m.K / QK && mins.size(2) == 8)),
+              "quantized scales and mins: contiguous fp16 [tiles, groups, 8] (mins only on the asymmetric int4 grid; "
+              "the 5-bit grid's fifth bits: int32 [tiles, blocks, 8])");
   m.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (int4) {
     m.w4 = qweight.data_ptr<uint8_t>();
-    if (mins.numel()) m.mins = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+    if (bits5) m.high = reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>());
+    else if (mins.numel()) m.mins = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   } else {
     m.w8 = qweight.data_ptr<int8_t>();
   }
@@ -333,11 +376,14 @@ void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const
   if (m.w4) {
     const uint8_t* W = m.w4;
     prefetch_start(W + begin * 4 * K, (end - begin) * 4 * K);
-    const auto tile = m.mins ? q4_tile8<true> : q4_tile8<false>;  // the grid, chosen once per matrix
+    // the grid, chosen once per matrix
+    const auto tile = m.high ? q4_tile8<false, true> : m.mins ? q4_tile8<true> : q4_tile8<false>;
+    if (m.high) prefetch_start(m.high + begin * nb * 8, (end - begin) * K);
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < T; ++t)
         tile(W + i * 4 * K, S + i * G * 8, m.mins ? m.mins + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
-             xg + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
+             xg + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8),
+             m.high ? m.high + i * nb * 8 : nullptr);
   } else {
     const int8_t* W = m.w8;
     prefetch_start(W + begin * 8 * K, (end - begin) * 8 * K);
@@ -389,7 +435,7 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
 // symmetric int4 grid (M null), as QuantTensor does. The group width is a multiple of 32, so the 32
 // values of a block share one scale (and min).
 static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, const uint16_t* M, int64_t K, int64_t G,
-                 int64_t group, int64_t r, float* y) {
+                 int64_t group, int64_t r, float* y, const uint32_t* H = nullptr) {
   const int64_t nb = K / QK;
   if (W4) {
     const uint8_t* w = W4 + (r / 8) * 4 * K;
@@ -397,12 +443,15 @@ static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, 
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t g = b * QK / group;
       const float s = half_to_float(S[base + g * 8]), m = M ? half_to_float(M[base + g * 8]) : 0.f;
-      const float off = M ? 0.f : 8.f;
+      const float off = M ? 0.f : H ? 16.f : 8.f;
+      const uint32_t h = H ? H[(r / 8) * nb * 8 + b * 8 + lane] : 0;
       for (int c = 0; c < 4; ++c)
         for (int j = 0; j < 4; ++j) {
           const uint8_t byte = w[b * 128 + 32 * c + 4 * lane + j];
-          y[b * QK + 4 * c + j] = ((float)(byte & 0x0f) - off) * s + m;
-          y[b * QK + 16 + 4 * c + j] = ((float)(byte >> 4) - off) * s + m;
+          const int lo = (byte & 0x0f) | (H ? fifth_bit(h, 4 * c + j) << 4 : 0);
+          const int hi = (byte >> 4) | (H ? fifth_bit(h, 16 + 4 * c + j) << 4 : 0);
+          y[b * QK + 4 * c + j] = ((float)lo - off) * s + m;
+          y[b * QK + 16 + 4 * c + j] = ((float)hi - off) * s + m;
         }
     }
   } else {
@@ -425,19 +474,21 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   const bool int4 = qweight.scalar_type() == at::kByte;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0);
   const int64_t G = scales.size(1), N = qweight.size(0);
+  const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
   TORCH_CHECK(K % QK == 0 && group % QK == 0 && scales.dim() == 3 &&
-              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes())),
-              "dequant_rows: tiled int8 or int4");
+              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes()) || (bits5 && mins.size(1) == K / QK)),
+              "dequant_rows: tiled int8 or int4 (or 5-bit)");
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = int4 && mins.numel() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint16_t* M = int4 && mins.numel() && !bits5 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint32_t* H = bits5 ? reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>()) : nullptr;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* Y = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(R[i] >= 0 && R[i] < N, "row id out of range");
-    dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K);
+    dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K, H);
   }
   return out;
 }
@@ -454,10 +505,13 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
               out.is_contiguous() && out.dim() == 2 && out.size(1) == K && (bf16 || out.scalar_type() == at::kFloat) &&
               begin >= 0 && begin + n <= N && K % QK == 0 && group % QK == 0 && scales.dim() == 3 &&
-              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes())),
-              "dequant_range: tiled int8 or int4, rows in range, a contiguous fp32/bf16 [rows, K] output");
+              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes()) ||
+               (int4 && mins.scalar_type() == at::kInt && mins.size(1) == K / QK)),
+              "dequant_range: tiled int8, int4 or 5-bit, rows in range, a contiguous fp32/bf16 [rows, K] output");
+  const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = int4 && mins.numel() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint16_t* M = int4 && mins.numel() && !bits5 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint32_t* H = bits5 ? reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>()) : nullptr;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* F = bf16 ? nullptr : out.data_ptr<float>();
@@ -466,7 +520,7 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
     std::vector<float> row(bf16 ? K : 0);
     for (int64_t i = lo; i < hi; ++i) {
       float* y = bf16 ? row.data() : F + i * K;
-      dequant_row(W4, W8, S, M, K, G, group, begin + i, y);
+      dequant_row(W4, W8, S, M, K, G, group, begin + i, y, H);
       if (bf16)
         for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
     }

@@ -36,13 +36,17 @@ inline float half_to_float(uint16_t h) {
 // them alive. int4 (w4: GGUF Q4 nibbles) or int8 (w8) codes in tiles of 8 rows
 // (hardy.compress.kernels.tile_codes), fp16 scales [tiles, groups, 8], and mins of the same shape on
 // the asymmetric int4 grid (null on the symmetric grids).
+// The 5-bit grid ((code − 16) · scale: GGUF Q5_0) is the int4 layout of the codes' low nibbles plus
+// their fifth bits (high), one uint32 per row and block of 32 [tiles, blocks, 8], passed in the mins'
+// place (int32 instead of fp16).
 struct QMatrix {
   const uint8_t* w4 = nullptr;
   const int8_t* w8 = nullptr;
   const uint16_t* scales = nullptr;
   const uint16_t* mins = nullptr;
+  const uint32_t* high = nullptr;  // 5-bit: the codes' fifth bits
   int64_t K = 0, rows = 0, tiles = 0, groups = 0, blocks_per_group = 0;
-  int64_t tile_bytes() const { return w4 ? 4 * K : 8 * K; }
+  int64_t tile_bytes() const { return w4 ? (high ? 5 * K : 4 * K) : 8 * K; }
 };
 // Checks the tensors' layout (one message naming what is wrong) and points into them.
 QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t group,
