@@ -208,3 +208,24 @@ def mini_compressed(mini_run, tmp_path_factory):
         return built_once(tmp_path_factory, "mini_compressed-" + "_".join(a.lstrip("-") for a in args), build) / "m"
 
     return get
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict:
+    """family -> a Hugging Face directory (weights, config, a 320-token byte-level tokenizer) of the tiny
+    random model of each family that tests/families.py builds with stock `transformers`."""
+    transformers = pytest.importorskip("transformers")
+    from families import build_hf_model, byte_level_tokenizer, hf_configs
+
+    def build(root: Path) -> None:
+        from hardy.formats.hf import save_hf_dir
+        from hardy.loading.load import load_model
+
+        tok = byte_level_tokenizer()
+        for family in hf_configs(transformers):
+            build_hf_model(transformers, family).save_pretrained(root / "src" / family)
+            loaded = load_model(str(root / "src" / family))
+            save_hf_dir(loaded.config, loaded.model.state_dict(), tok, root / family)
+
+    root = built_once(tmp_path_factory, "family_dirs", build)
+    return {family: root / family for family in hf_configs(transformers)}

@@ -12,7 +12,7 @@ import torch
 
 WINDOW = 8  # shorter than the test sequences, so the windowed layers really cut
 
-BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.08, tie_word_embeddings=False)
 
 
@@ -79,14 +79,22 @@ def build_hf_model_for_gguf(transformers, family: str, seed: int = 0):
 
 
 def byte_level_tokenizer(size: int = 320):
-    """A byte-level BPE of exactly `size` tokens, trained on Tiny Shakespeare."""
-    from hardy.data.prepare import train_bpe
+    """A byte-level BPE of exactly `size` tokens, trained on Tiny Shakespeare, with a BOS "<s>" and no
+    end-of-text token: a random model's generations run to their length."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     from hardy.data.text import resolve_text_path
+    from hardy.formats.tokenizer import HardyTokenizer
 
     text = resolve_text_path("tinyshakespeare").read_text()[:200_000]
-    tok = train_bpe(text.split("\n\n"), size)
-    assert tok.vocab_size == size, tok.vocab_size
-    return tok
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=["<s>"], min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    assert backend.get_vocab_size() == size, backend.get_vocab_size()
+    return HardyTokenizer(backend=backend, bos_id=backend.token_to_id("<s>"), add_bos=False, pre="gpt-2")
 
 
 SPM_CHARS = "\u2581etoahsnrildumywfcgbpkvITAW,.:;'!?"

@@ -18,7 +18,9 @@ class Served:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
         line = self.proc.stdout.readline()
         assert "serving" in line, line + self.proc.stderr.read()
+        self.banner = line
         self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        self.stderr = ""  # what the server said on stderr, once stopped
 
     def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout: float = 60):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -40,5 +42,7 @@ class Served:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        self.stderr = self.proc.stderr.read()
         self.proc.stdout.close()
         self.proc.stderr.close()

@@ -8,29 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import built_once, hardy_main
-from families import build_hf_model, byte_level_tokenizer, hf_configs
-from hardy.formats.hf import save_hf_dir
+from conftest import hardy_main
+from families import hf_configs
 from hardy.infer.kv import KV_DTYPES
 from hardy.loading.load import load_model
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = list(hf_configs(transformers))
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    """family -> a Hugging Face directory (weights, config, a 320-token tokenizer) of its tiny model."""
-    def build(root):
-        tok = byte_level_tokenizer()
-        for family in FAMILIES:
-            hf = build_hf_model(transformers, family)
-            hf.save_pretrained(root / "src" / family)
-            loaded = load_model(str(root / "src" / family))
-            save_hf_dir(loaded.config, loaded.model.state_dict(), tok, root / family)
-
-    root = built_once(tmp_path_factory, "family_dirs", build)
-    return {family: root / family for family in FAMILIES}
 
 
 def _compress(src, out, *args) -> None:

@@ -178,6 +178,10 @@ GiB = 2 ** 30
 HEADROOM = 512 * 2 ** 20  # left to the process's own growth (activations, logits, the server) and the OS
 
 
+def size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2 ** 20:.1f} MiB"
+
+
 def available_memory(device) -> int:
     """Bytes the KV cache may take on `device`: free GPU memory, or the host's available memory."""
     device = torch.device(device)
@@ -211,13 +215,13 @@ class KVBudget:
 
     @property
     def line(self) -> str:
-        gib = self.capacity * self.layout.bytes_per_token / GiB
+        total = size(self.capacity * self.layout.bytes_per_token)
         dtype = {v: k for k, v in KV_DTYPES.items()}[self.layout.dtype]
         full = self.sequences * self.context
         fewer = "" if self.capacity >= full else (
             f"; memory holds {self.capacity} of the {full} tokens {self.sequences} requests of {self.context} could: "
             "a request waits for blocks while the rest are in use")
-        return (f"KV cache {dtype} ({self.layout.bytes_per_token / 1024:.1f} KiB per token): up to {gib:.2f} GiB for "
+        return (f"KV cache {dtype} ({self.layout.bytes_per_token / 1024:.1f} KiB per token): up to {total} for "
                 f"{self.capacity} tokens, taken in blocks of {BLOCK} as tokens arrive{fewer}")
 
     def check(self) -> "KVBudget":
@@ -225,9 +229,9 @@ class KVBudget:
         if self.capacity < self.context:
             per = self.layout.bytes_per_token
             raise HardyError(
-                f"the KV cache for one request of {self.context} tokens needs {self.context * per / GiB:.2f} GiB "
-                f"({per / 1024:.1f} KiB per token); memory beside the model holds {self.capacity * per / GiB:.2f} "
-                "GiB of it: lower --context, or use --kv-dtype bf16/fp16")
+                f"the KV cache for one request of {self.context} tokens needs {size(self.context * per)} "
+                f"({per / 1024:.1f} KiB per token); memory beside the model holds {size(self.capacity * per)} of it: "
+                "lower --context, or use --kv-dtype bf16/fp16")
         return self
 
 

@@ -124,15 +124,15 @@ class KVCache(nn.Module):
                 if end > self.k.shape[2]:
                     raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
             rows = torch.arange(b, device=k.device)
-            self.k[rows, :, start] = k[:, :, 0]
-            self.v[rows, :, start] = v[:, :, 0]
-            return self.k[:b, :, :end], self.v[:b, :, :end]
+            self.k[rows, :, start] = k[:, :, 0].to(self.k.dtype)
+            self.v[rows, :, start] = v[:, :, 0].to(self.v.dtype)
+            return self.k[:b, :, :end].to(k.dtype), self.v[:b, :, :end].to(v.dtype)
         b, end = k.shape[0], start + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}")
         self.k[:b, :, start:end] = k
         self.v[:b, :, start:end] = v
-        return self.k[:b, :, :end], self.v[:b, :, :end]
+        return self.k[:b, :, :end].to(k.dtype), self.v[:b, :, :end].to(v.dtype)  # read in the compute dtype
 
 
 def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
