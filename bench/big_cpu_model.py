@@ -32,7 +32,10 @@ SHAPES = {"llama3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, f
                             rope_theta=10000.0),
           "8b-3layers": dict(dim=4096, n_layers=3, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab=128256,
                              rope_theta=500000.0),  # the 8B shape's widths, for quick memory checks
-          "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=49152, rope_theta=10000.0)}
+          "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=49152, rope_theta=10000.0),
+          # Llama 3.2 1B's widths, a tied head and the 131,072-position context real Llama 3.x files declare
+          "llama3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab=128256,
+                              rope_theta=500000.0, tied=True, context=131072)}
 
 
 def tensor_plan(shape: dict, qtype: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -52,7 +55,9 @@ def tensor_plan(shape: dict, qtype: str) -> list[tuple[str, tuple[int, ...], str
                  (f"blk.{i}.attn_output.weight", (d, d), base), (f"blk.{i}.ffn_norm.weight", (d,), "F32"),
                  (f"blk.{i}.ffn_gate.weight", (f, d), base), (f"blk.{i}.ffn_up.weight", (f, d), base),
                  (f"blk.{i}.ffn_down.weight", (d, f), hi)]
-    plan += [("output_norm.weight", (d,), "F32"), ("output.weight", (v, d), "Q6_K" if qtype == "Q4_K_M" else base)]
+    plan += [("output_norm.weight", (d,), "F32")]
+    if not shape.get("tied"):
+        plan += [("output.weight", (v, d), "Q6_K" if qtype == "Q4_K_M" else base)]
     return plan
 
 
@@ -90,7 +95,7 @@ def write_gguf(path: Path, shape_name: str, qtype: str, seed: int = 0) -> None:
     tmp = path.with_suffix(".part")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(f"{shape_name}-random-{qtype}")
-    w.add_context_length(8192)
+    w.add_context_length(shape.get("context", 8192))
     w.add_embedding_length(shape["dim"])
     w.add_block_count(shape["n_layers"])
     w.add_feed_forward_length(shape["ffn_dim"])

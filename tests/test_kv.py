@@ -132,3 +132,15 @@ def test_serve_refuses_a_cache_memory_cannot_hold(mini_run, monkeypatch):
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert line.startswith("hardy: error: the KV cache for one request of 256 tokens needs") and "\n" not in line
+
+
+def test_a_model_memory_cannot_hold_is_refused_before_loading(monkeypatch):
+    from collections import namedtuple
+
+    memory = namedtuple("memory", "available free")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(50 * MiB, 50 * MiB))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: memory(0, 0))
+    proc = hardy_main("generate", "--model", "smollm2-135m", "--prompt", "x", "--gguf-weights", "float")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("hardy: error: smollm2-135m: loading needs about 0.5 GiB of memory, 0.0 GiB is "
+                                   "available (--gguf-weights native keeps a quantized file quantized)")

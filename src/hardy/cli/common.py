@@ -10,7 +10,7 @@ import torch
 from hardy.compress.qlinear import set_prefill_dtype
 from hardy.devices import DTYPES, bind_to_numa_node, compute_device, resolve_device
 from hardy.errors import HardyError
-from hardy.loading.load import is_quantized_source, load_model, set_threads
+from hardy.loading.load import check_fits, is_quantized_source, load_model, set_threads
 
 EXIT_USAGE = 2
 
@@ -76,7 +76,10 @@ def load_from_args(args, need_tokenizer: bool = True):
                 node, cpus = bound
                 print(f"hardy: rank {os.environ['RANK']} on NUMA node {node} ({len(cpus)} CPUs)", file=sys.stderr)
         tp_slices = rank_slices(int(os.environ["RANK"]), args.tp)
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=requested_device(args),
+    device = requested_device(args)
+    if device.type == "cpu" and tp_slices is None:
+        check_fits(args.model, DTYPES[args.dtype], getattr(args, "gguf_weights", "float"))
+    loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=device,
                         gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty(),
                         tp_slices=tp_slices)
     if need_tokenizer and loaded.tokenizer is None:

@@ -172,3 +172,35 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def load_bytes(spec: str, dtype: torch.dtype = torch.float32, gguf: str = "float") -> int:
+    """About what loading `spec` takes in memory: a native GGUF its quantized matrices at their size and
+    its float tensors in `dtype`; otherwise every parameter in `dtype` (a compressed directory: its files)."""
+    kind, path = resolve_source(spec)
+    if kind == "gguf":
+        total = 0
+        for t in open_gguf(path).tensors:
+            quantized = gguf == "native" and is_quantized(t)
+            total += t.n_bytes if quantized else int(t.shape.prod()) * dtype.itemsize
+        return total
+    if kind == "hf" and is_compressed_dir(path):
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    from hardy.model.config import count_parameters  # the config alone: nothing is read
+
+    return count_parameters(config_for(spec)).total * dtype.itemsize
+
+
+def check_fits(spec: str, dtype: torch.dtype, gguf: str) -> None:
+    """Refuse, in one line, a model that cannot fit in this machine's memory (swap included) before it is
+    loaded, rather than be killed half-way through."""
+    import psutil  # start-up: only a load reads it
+
+    need = load_bytes(spec, dtype, gguf)
+    have = psutil.virtual_memory().available + psutil.swap_memory().free
+    if need > have:
+        gib = 2 ** 30
+        quantized_file = gguf == "float" and is_quantized_source(spec, "native")
+        hint = " (--gguf-weights native keeps a quantized file quantized)" if quantized_file else ""
+        raise HardyError(f"{spec}: loading needs about {need / gib:.1f} GiB of memory, {have / gib:.1f} GiB is "
+                         f"available{hint}")

@@ -1,10 +1,12 @@
 """The serving engine: one thread owns the model and batches every running request's next token
 into one forward pass (continuous batching), so concurrent clients share each read of the weights.
 
-Each request gets a slot of a static KV cache [max_batch, ...]: its prompt is prefilled alone into
-that slot, then every decode step feeds one token per active slot at that slot's own position
-(`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart). A request
-leaves at a stop token or its max_tokens and its slot takes the next waiting request.
+Each request gets one of `max_batch` sequences of the paged KV cache (hardy.infer.kv): its prompt is
+prefilled alone into that sequence's blocks, then every decode step feeds one token per active sequence at
+its own position (`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart), the
+blocks taken as the tokens arrive. A request leaves at a stop token or its max_tokens, its blocks go back to
+the pool and its slot takes the next waiting request — once the pool can hold all that request may grow to
+(a pool smaller than max_batch x context, where memory is short, makes requests wait, never fail halfway).
 
 Scoring requests (`POST /v1/rerank`: candidate rows whose continuation's log-likelihood is wanted)
 need no cache slot: every iteration, all that wait are scored together in batches between two decode
