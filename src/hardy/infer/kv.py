@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hardy.devices import DTYPES
 from hardy.errors import HardyError
 
 BLOCK = 32  # positions per block: a 64-wide bf16 head's keys for one block are one 4 KB page
-KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KV_DTYPES = DTYPES  # "fp32" / "bf16" / "fp16" (hardy.devices: the one name map)
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux: no swap reserved for untouched pages
 
 

@@ -16,6 +16,7 @@ exits, and its closed gloo connections end the followers' waiting collectives, s
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 
@@ -30,8 +31,6 @@ KEEPALIVE_S = 10.0  # far below the process group's timeout (hardy.parallel.dist
 
 def agree_on_capacity(budget):
     """Every rank's pool holds what the smallest can: the leader admits requests for all of them."""
-    import dataclasses
-
     capacity = torch.tensor([budget.capacity], dtype=torch.long)
     dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
     return dataclasses.replace(budget, capacity=int(capacity))
