@@ -54,6 +54,12 @@ def clients(port: int, n: int, max_tokens: int, path: str = "/v1/completions") -
     return out
 
 
+def summary(answers: list[dict], wall: float, pid: int) -> dict:
+    ok = [a for a in answers if a["status"] == 200]
+    tokens = sum(a["body"]["usage"]["completion_tokens"] for a in ok)
+    return {"peak_rss": peak_rss(pid), "answered": len(ok), "tokens_per_s": tokens / wall}
+
+
 def wait_port(proc, pattern: str) -> int:
     line = proc.stdout.readline()
     if pattern not in line:
@@ -69,15 +75,11 @@ def run_hardy(model: Path, n: int, max_tokens: int) -> dict:
         port = wait_port(proc, "serving")
         t0 = time.perf_counter()
         answers = clients(port, n, max_tokens)
-        wall = time.perf_counter() - t0
-        rss = peak_rss(proc.pid)
+        result = summary(answers, time.perf_counter() - t0, proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=120)[1]
-    startup = next((line for line in err.splitlines() if "KV cache" in line), "")
-    ok = sum(a["status"] == 200 for a in answers)
-    tokens = sum(a["body"]["usage"]["completion_tokens"] for a in answers if a["status"] == 200)
-    return {"peak_rss": rss, "answered": ok, "tokens_per_s": tokens / wall, "startup": startup}
+    return {**result, "startup": next((line for line in err.splitlines() if "KV cache" in line), "")}
 
 
 def run_llama_server(model: Path, n: int, max_tokens: int, threads: int) -> dict:
@@ -96,14 +98,10 @@ def run_llama_server(model: Path, n: int, max_tokens: int, threads: int) -> dict
             time.sleep(0.5)
         t0 = time.perf_counter()
         answers = clients(port, n, max_tokens)
-        wall = time.perf_counter() - t0
-        rss = peak_rss(proc.pid)
+        return summary(answers, time.perf_counter() - t0, proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    ok = sum(a["status"] == 200 for a in answers)
-    tokens = sum(a["body"]["usage"]["completion_tokens"] for a in answers if a["status"] == 200)
-    return {"peak_rss": rss, "answered": ok, "tokens_per_s": tokens / wall}
 
 
 def main() -> None:

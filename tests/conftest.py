@@ -29,8 +29,9 @@ if WORKERS > 1:
 # The longest files first: the workers take whole files, and a long one taken last leaves one worker
 # busy while the other has finished (wall time from the clean-clone runs in BENCHMARKS.md).
 LONG_FILES = ("test_compress_smollm2.py", "test_fault.py", "test_plan_check.py", "test_train_parallel.py",
-              "test_serve.py", "test_smollm2.py", "test_launch.py", "test_gpu_paths.py", "test_fuzz_readers.py",
-              "test_serve_http.py", "test_kernels.py", "test_health.py", "test_demo.py")
+              "test_serve.py", "test_smollm2.py", "test_launch.py", "test_family_serving.py", "test_gpu_paths.py",
+              "test_fuzz_readers.py", "test_serve_http.py", "test_kernels.py", "test_family_compress.py",
+              "test_gemma3.py", "test_health.py", "test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):

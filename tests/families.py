@@ -32,8 +32,10 @@ def hf_configs(transformers) -> dict:
     }
 
 
-def build_hf_model(transformers, family: str, seed: int = 0):
+def build_hf_model(transformers, family: str, seed: int = 0, changes: dict | None = None):
     cfg = hf_configs(transformers)[family]
+    for key, value in (changes or {}).items():
+        setattr(cfg, key, value)
     # eager attention: the soft-capped families need it (SDPA cannot cap scores)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -62,20 +64,7 @@ SPM_FAMILIES = ("mistral", "gemma2", "gemma3_text")  # shipped with SentencePiec
 
 
 def build_hf_model_for_gguf(transformers, family: str, seed: int = 0):
-    cfg = hf_configs(transformers)[family]
-    for key, value in GGUF_CHANGES.get(family, {}).items():
-        setattr(cfg, key, value)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (0.0 if family.startswith("gemma") else 1.0))
-            elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    return model
+    return build_hf_model(transformers, family, seed, GGUF_CHANGES.get(family))
 
 
 def byte_level_tokenizer(size: int = 320):
