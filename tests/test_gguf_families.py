@@ -102,3 +102,58 @@ def test_qwen2_pre_tokenizer_splits_digits_as_llama_cpp(ggufs, tmp_path):
     ids = read_back.encode(text)
     assert ids == llm.tokenize(text.encode(), add_bos=False, special=False)
     assert len(read_back.encode("1234567")) == 7  # one token per digit (Llama 3's split would make 3)
+
+
+def _rewrite(src, dst, changes: dict, drop=()) -> None:
+    """A copy of a GGUF file with some metadata values changed (or dropped), tensors as they are."""
+    import gguf
+
+    from hardy.formats.gguf_reader import GGUFFile
+
+    reader = GGUFFile(src)
+    arch = reader.fields["general.architecture"]
+    writer = gguf.GGUFWriter(str(dst), changes.get("general.architecture", arch))
+    raw = gguf.GGUFReader(src)
+    for name, field in raw.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture",) or name in drop:
+            continue
+        value = changes.get(name, field.contents())
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, vtype)
+    for name, value in changes.items():  # keys the file did not have
+        if name not in raw.fields and name != "general.architecture":
+            writer.add_key_value(name, value, gguf.GGUFValueType.INT32)
+    for t in raw.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_a_one_line_error(ggufs, tmp_path):
+    from conftest import hardy_main
+
+    _, path = ggufs["qwen3"]
+    cases = [({"qwen3.attention.key_length": 16}, "tensor blk.0.attn_k_norm.weight has shape (32,), the config implies (16,)"),
+             ({"qwen3.attention.sliding_window": -1}, "qwen3.attention.sliding_window = -1 is negative"),
+             ({"general.architecture": "mamba"}, "unsupported GGUF architecture 'mamba'")]
+    for i, (changes, message) in enumerate(cases):
+        bad = tmp_path / f"bad{i}.gguf"
+        _rewrite(str(path), bad, changes)
+        proc = hardy_main("generate", "--model", str(bad), "--prompt", "x")
+        assert proc.returncode == 2 and message in proc.stderr, (changes, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_gemma3_without_a_window_is_global_everywhere_as_in_llama_cpp(ggufs, tmp_path):
+    from hardy.loading.load import config_for
+
+    _, path = ggufs["gemma3_text"]
+    assert config_for(str(path)).kinds.count("sliding") == 5
+    _rewrite(str(path), tmp_path / "nowindow.gguf", {}, drop=("gemma3.attention.sliding_window",))
+    cfg = config_for(str(tmp_path / "nowindow.gguf"))
+    assert cfg.kinds == ("full",) * 6 and cfg.sliding_window is None

@@ -84,13 +84,18 @@ def _config(fields: dict, arch: str, get, name: str, tensors: set) -> ModelConfi
         rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=_rope_scaling(fields, arch, get),
         max_seq_len=int(get("context_length", 2048)), tie_embeddings=False, name=name, family=ARCH_FAMILY[arch],
         attn_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors, qk_norm=arch in ("qwen3", "gemma3"))
+    if window is not None and int(window) < 0:
+        raise HardyError(f"{arch}.attention.sliding_window = {window} is negative")
     if arch in SWA_PATTERN:
-        window = int(window or 4096)
+        # llama.cpp: Gemma 2 always has its window (4096 unless the file says); Gemma 3 only where the file
+        # gives one above 0 (else every layer is global)
+        window = int(window or 4096) if arch == "gemma2" else int(window or 0) or None
         big = n_layers == GEMMA_27B_LAYERS[arch]
         cap = fields.get(f"{arch}.attn_logit_softcapping")
         kw.update(sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=math.sqrt(dim),
                   attn_scale=(dim / n_heads if big else head_dim) ** -0.5, sliding_window=window,
-                  layer_types=tuple("full" if (i + 1) % SWA_PATTERN[arch] == 0 else "sliding" for i in range(n_layers)),
+                  layer_types=tuple("full" if window is None or (i + 1) % SWA_PATTERN[arch] == 0 else "sliding"
+                                    for i in range(n_layers)),
                   logit_softcap=fields.get(f"{arch}.final_logit_softcapping"),
                   attn_softcap=float(cap) if cap and arch == "gemma2" else None)  # llama.cpp caps only Gemma 2's
         if arch == "gemma3":
