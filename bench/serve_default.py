@@ -3,7 +3,7 @@ Q4_0 GGUF with random weights, written by bench/big_cpu_model.py): 8 concurrent 
 peak resident memory against the file's size (the issue-37 goal: peak RSS <= file + 3 GiB; before the
 paged cache, the default context was the model's 131,072 and the fp32 cache was reserved for every
 --max-batch row up front: 22.9 GB, killed). llama-server with its own defaults runs the same load for
-comparison (its default context 4096 of f16 KV, --parallel 8).
+comparison (this version fits its context to the free memory: it says how many positions per slot).
 
     python bench/serve_default.py --dir /tmp/serve-default
 """
@@ -29,10 +29,12 @@ PROMPT = "The history of the Roman Empire begins with the founding of the city, 
 
 
 def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """The process's peak resident memory (0 once it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmHWM:")), 0)
 
 
 def clients(port: int, n: int, max_tokens: int, path: str = "/v1/completions") -> list[dict]:
@@ -41,10 +43,14 @@ def clients(port: int, n: int, max_tokens: int, path: str = "/v1/completions") -
     def one(i):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1200)
         body = {"prompt": PROMPT + f" ({i})", "max_tokens": max_tokens, "temperature": 0}
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out[i] = {"status": resp.status, "body": json.loads(resp.read())}
-        conn.close()
+        try:
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            out[i] = {"status": resp.status, "body": json.loads(resp.read())}
+        except OSError as e:  # the server went away (killed for memory, say): counted, not raised
+            out[i] = {"status": f"{type(e).__name__}", "body": {}}
+        finally:
+            conn.close()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -84,8 +90,9 @@ def run_hardy(model: Path, n: int, max_tokens: int) -> dict:
 
 def run_llama_server(model: Path, n: int, max_tokens: int, threads: int) -> dict:
     port = 18000 + os.getpid() % 1000
+    log = Path(f"/tmp/llama-server-{port}.log")
     proc = subprocess.Popen([str(llama_bin() / "llama-server"), "-m", str(model), "--port", str(port), "-t", str(threads),
-                             "--parallel", str(n)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--parallel", str(n)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
     try:
         for _ in range(600):  # up to 5 minutes for the model to load
             try:
@@ -98,10 +105,13 @@ def run_llama_server(model: Path, n: int, max_tokens: int, threads: int) -> dict
             time.sleep(0.5)
         t0 = time.perf_counter()
         answers = clients(port, n, max_tokens)
-        return summary(answers, time.perf_counter() - t0, proc.pid)
+        result = summary(answers, time.perf_counter() - t0, proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    slot = next((line.split("n_ctx_slot = ")[1].split(",")[0] for line in log.read_text().splitlines()
+                 if "n_ctx_slot" in line), "?")
+    return {**result, "slot_ctx": slot}
 
 
 def main() -> None:
@@ -126,7 +136,8 @@ def main() -> None:
     if not args.no_llama:
         theirs = run_llama_server(model, args.clients, args.max_tokens, args.threads)
         print(f"llama-server (its defaults, --parallel {args.clients}): {theirs['answered']}/{args.clients} answered, "
-              f"peak RSS {theirs['peak_rss'] / gib:.2f} GiB, {theirs['tokens_per_s']:.1f} tokens/s")
+              f"peak RSS {theirs['peak_rss'] / gib:.2f} GiB (0: the process was gone), {theirs['tokens_per_s']:.1f} "
+              f"tokens/s; its context per slot: {theirs['slot_ctx']}")
 
 
 if __name__ == "__main__":

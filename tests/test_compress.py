@@ -116,8 +116,8 @@ def test_symmetric_int4_g32_is_gguf_q4_0_exactly():
 
 
 def test_bad_specs_are_readable_errors():
-    with pytest.raises(HardyError, match="bits"):
-        QuantSpec(5, 32)
+    with pytest.raises(HardyError, match="bits must be 8, 5, 4 or 3"):
+        QuantSpec(6, 32)
     with pytest.raises(HardyError, match="multiple of 32"):
         QuantSpec(4, 48)
     with pytest.raises(HardyError, match="multiple of 32"):

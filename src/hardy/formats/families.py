@@ -198,6 +198,10 @@ def config_from_hf(data: dict, path) -> ModelConfig:
     if not isinstance(data, dict):
         raise HardyError(f"{path}: config.json must hold a JSON object")
     model_type = data.get("model_type")
+    if model_type is None:
+        raise HardyError(f"{path}: config.json lacks model_type")
+    if not isinstance(model_type, str):
+        raise HardyError(f"{path}: config.json's model_type must be a string (got {model_type!r})")
     if model_type in MULTIMODAL:
         text = data.get("text_config")
         if not isinstance(text, dict):
