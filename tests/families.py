@@ -32,8 +32,21 @@ def hf_configs(transformers) -> dict:
     }
 
 
+def moe_configs(transformers) -> dict:
+    """Mixture-of-experts families: enough experts that a short batch leaves some without a token."""
+    t = transformers
+    return {
+        "mixtral": t.MixtralConfig(**BASE, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2),
+        "qwen3_moe": t.Qwen3MoeConfig(**BASE, num_hidden_layers=3, head_dim=32, num_experts=12, num_experts_per_tok=3,
+                                      moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
+        "qwen2_moe": t.Qwen2MoeConfig(**BASE, num_hidden_layers=2, num_experts=6, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                                      norm_topk_prob=False),
+    }
+
+
 def build_hf_model(transformers, family: str, seed: int = 0, changes: dict | None = None):
-    cfg = hf_configs(transformers)[family]
+    cfg = {**hf_configs(transformers), **moe_configs(transformers)}[family]
     for key, value in (changes or {}).items():
         setattr(cfg, key, value)
     # eager attention: the soft-capped families need it (SDPA cannot cap scores)

@@ -21,6 +21,7 @@ from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import PackedQuant
 from hardy.formats.quantized import QuantSpec, QuantTensor, fake_quantize, rtn
+from hardy.model.moe import MoE
 from hardy.model.transformer import meta_transformer
 
 QUANT_METHODS = ("rtn", "gptq", "awq")
@@ -29,10 +30,39 @@ PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
 LINEARS = {"attention.wq": "attn_in", "attention.wk": "attn_in", "attention.wv": "attn_in",
            "attention.wo": "attn_out", "feed_forward.w1": "ffn_in", "feed_forward.w3": "ffn_in",
            "feed_forward.w2": "ffn_mid"}
-# The first linear reading each distinct input: its pre-hook records that input for all its readers.
-INPUT_READERS = {kind: name for name, kind in reversed(LINEARS.items())}
 # `--prune-layers` names a linear by its last component (wq, ..., w3), the same in every block.
 SHORT_NAMES = {name.rsplit(".", 1)[1]: name for name in LINEARS}
+
+
+# An expert that calibration routes fewer tokens to is calibrated on every token of its layer instead
+# (all tokens through its own w1/w3 for its w2): a Hessian from a handful of tokens is mostly damping.
+MIN_EXPERT_TOKENS = 64
+
+
+def block_linears(block) -> dict[str, str]:
+    """The linears of `block` that are compressed -> the input each reads. In a mixture-of-experts block
+    each expert reads only its own tokens; the router (tiny, and a rounded router sends tokens to other
+    experts) and the shared expert's gate stay float."""
+    ffn = block.feed_forward
+    if not isinstance(ffn, MoE):
+        return LINEARS
+    out = {k: v for k, v in LINEARS.items() if k.startswith("attention.")}
+    for e in range(len(ffn.experts)):
+        out.update({f"feed_forward.experts.{e}.w1": f"expert{e}_in", f"feed_forward.experts.{e}.w3": f"expert{e}_in",
+                    f"feed_forward.experts.{e}.w2": f"expert{e}_mid"})
+    if ffn.shared is not None:
+        out.update({"feed_forward.shared.w1": "ffn_in", "feed_forward.shared.w3": "ffn_in",
+                    "feed_forward.shared.w2": "shared_mid"})
+    return out
+
+
+def _input_readers(block, linears: dict[str, str]) -> dict[str, str]:
+    """The first module reading each distinct input (its pre-hook records that input for all its readers;
+    an MoE block's own input: every token of the layer)."""
+    readers = {kind: name for name, kind in reversed(linears.items())}
+    if isinstance(block.feed_forward, MoE):
+        readers["ffn_in"] = "feed_forward"
+    return readers
 
 
 def parse_prune_layers(text: str | None) -> tuple[str, ...]:
@@ -99,7 +129,7 @@ class CompressConfig:
     def prunes(self, name: str) -> bool:
         """Is the linear `name` (as in LINEARS) pruned?"""
         return self.prune is not None and (not self.prune_layers or
-                                           any(SHORT_NAMES[n] == name for n in self.prune_layers))
+                                           name.rsplit(".", 1)[1] in self.prune_layers)
 
     def spec(self) -> QuantSpec:
         return QuantSpec(bits=self.bits, group_size=self.group_size, symmetric=True if self.symmetric else None)
@@ -178,7 +208,7 @@ def _block_inputs(block, x, rope, chunk: int, full_hessian: bool) -> dict[str, _
     gen = torch.Generator().manual_seed(0)
     stats: dict[str, _InputStats] = {}
     hooks = []
-    for kind, name in INPUT_READERS.items():
+    for kind, name in _input_readers(block, block_linears(block)).items():
         module = block.get_submodule(name)
 
         def hook(mod, args, kind=kind):
@@ -198,6 +228,26 @@ def _block_inputs(block, x, rope, chunk: int, full_hessian: bool) -> dict[str, _
     return stats
 
 
+def _rarely_routed(block, inputs: dict, full: bool) -> None:
+    """Experts calibration reached with fewer than MIN_EXPERT_TOKENS tokens get the statistics of every
+    token of the layer: its input (the MoE block's) and, for w2, what the expert's w1/w3 make of it."""
+    ffn = block.feed_forward
+    if not isinstance(ffn, MoE):
+        return
+    h_all, x_all = inputs["ffn_in"]
+    for e, expert in enumerate(ffn.experts):
+        kind = f"expert{e}_in"
+        if kind in inputs and inputs[kind][1].shape[0] >= MIN_EXPERT_TOKENS:
+            continue
+        inputs[kind] = (h_all, x_all)
+        with torch.no_grad():
+            gate = expert.w1(x_all)
+            gate = torch.nn.functional.silu(gate) if expert.act == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+            mid = gate * expert.w3(x_all)
+        h = 2 * mid.t() @ mid / mid.shape[0] if full else torch.diag(2 * mid.pow(2).sum(0) / mid.shape[0])
+        inputs[f"expert{e}_mid"] = (h, mid)
+
+
 def _rel_error(x: torch.Tensor, w: torch.Tensor, x_hat: torch.Tensor, w_hat: torch.Tensor,
                out_scale: torch.Tensor | None = None) -> float:
     """‖x̂·ŵᵀ − x·wᵀ‖ / ‖x·wᵀ‖: the compressed linear (on its possibly rescaled input) vs the original
@@ -213,9 +263,14 @@ def _apply_awq_scales(block, inputs: dict[str, tuple[torch.Tensor, torch.Tensor]
     """Search and fold the scales; returns the output-channel factor each producer linear now has
     (its rows were divided by the next linear's scale), for comparing against the original."""
     att, ffn = block.attention, block.feed_forward
-    groups = [("attn_in", block.attention_norm.weight, None, [att.wq, att.wk, att.wv]),
-              ("ffn_in", block.ffn_norm.weight, None, [ffn.w1, ffn.w3]),
-              ("ffn_mid", None, "feed_forward.w3", [ffn.w2])]
+    groups = [("attn_in", block.attention_norm.weight, None, [att.wq, att.wk, att.wv])]
+    if isinstance(ffn, MoE):  # each expert's down projection on its own tokens (the shared input is not
+        groups += [(f"expert{e}_mid", None, f"feed_forward.experts.{e}.w3", [x.w2]) for e, x in enumerate(ffn.experts)]
+        if ffn.shared is not None:  # scaled: the router reads it too and stays float)
+            groups.append(("shared_mid", None, "feed_forward.shared.w3", [ffn.shared.w2]))
+    else:
+        groups += [("ffn_in", block.ffn_norm.weight, None, [ffn.w1, ffn.w3]),
+                   ("ffn_mid", None, "feed_forward.w3", [ffn.w2])]
     if n_heads == n_kv_heads:
         groups.append(("attn_out", None, "attention.wv", [att.wo]))
     out_scale = {}
@@ -250,12 +305,14 @@ def _compress_block(block, li: int, x: torch.Tensor, rope, chunk: int, cfg: Comp
     byte), not as one byte per code — the streaming path's memory."""
     spec = cfg.spec() if cfg.quant else None
     sparsity = prune.Sparsity.parse(cfg.sparsity) if cfg.prune else None
+    linears = block_linears(block)
     stats = _block_inputs(block, x, rope, chunk, cfg.needs_hessian)
     inputs = {k: stats.pop(k).finish() for k in list(stats)}
-    originals = {name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
+    _rarely_routed(block, inputs, cfg.needs_hessian)
+    originals = {name: block.get_submodule(name).weight.detach().clone() for name in linears}
     masks = {}
     if sparsity is not None:
-        for name, kind in LINEARS.items():
+        for name, kind in linears.items():
             if not cfg.prunes(name):
                 continue
             lin = block.get_submodule(name)
@@ -271,12 +328,12 @@ def _compress_block(block, li: int, x: torch.Tensor, rope, chunk: int, cfg: Comp
     samples = {kind: xs for kind, (_, xs) in inputs.items()}  # before any AWQ rescaling
     # the weights RTN's error is reported for: after pruning, before AWQ's scales (without either,
     # the originals themselves: no second copy of the block)
-    unscaled = ({name: block.get_submodule(name).weight.detach().clone() for name in LINEARS}
+    unscaled = ({name: block.get_submodule(name).weight.detach().clone() for name in linears}
                 if masks or cfg.quant == "awq" else originals)
     out_scales = {}
     if cfg.quant == "awq":  # rescales weights and inputs by s: (X/s)·(W·s)ᵀ = X·Wᵀ
         out_scales = _apply_awq_scales(block, inputs, spec, mcfg.n_heads, mcfg.n_kv_heads)
-    for name, kind in LINEARS.items():
+    for name, kind in linears.items():
         lin = block.get_submodule(name)
         h, xs = inputs[kind]
         w = lin.weight.detach().float()

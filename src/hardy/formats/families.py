@@ -18,7 +18,7 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.formats.names import from_format, to_format
-from hardy.model.config import ModelConfig, RopeScaling
+from hardy.model.config import ModelConfig, MoEConfig, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class Family:
     name: str  # hardy's family name: the Hugging Face model_type
     hf_class: str  # the transformers class a directory of this family names
     norm_offset: float = 0.0  # the files store w where the model multiplies by (offset + w)
+    base: str | None = None  # a mixture-of-experts family: the dense family its attention and keys follow
+    moe: str | None = None  # its experts' tensor naming (hardy.formats.names.HF_MOE)
+
+    @property
+    def dense(self) -> str:
+        return self.base or self.name
 
 
 FAMILIES = {f.name: f for f in (
@@ -35,6 +41,9 @@ FAMILIES = {f.name: f for f in (
     Family("qwen3", "Qwen3ForCausalLM"),
     Family("gemma2", "Gemma2ForCausalLM", norm_offset=1.0),
     Family("gemma3_text", "Gemma3ForCausalLM", norm_offset=1.0),
+    Family("mixtral", "MixtralForCausalLM", base="mistral", moe="mixtral"),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", base="qwen2", moe="qwen"),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", base="qwen3", moe="qwen"),
 )}
 # Gemma 3's multimodal checkpoints (4B and up) hold the same text model under a `text_config`.
 MULTIMODAL = {"gemma3": "gemma3_text"}
@@ -52,13 +61,15 @@ class HFNames:
 
     def __init__(self, cfg: ModelConfig | None = None):  # None: Llama's
         self.sandwich = cfg is not None and cfg.sandwich_norms
-        self.offset = FAMILIES[cfg.family].norm_offset if cfg is not None and cfg.family in FAMILIES else 0.0
+        fam = FAMILIES.get(cfg.family) if cfg is not None else None
+        self.offset = fam.norm_offset if fam else 0.0
+        self.moe = fam.moe if fam else None
 
     def to_hf(self, name: str) -> str:
-        return to_format(name, "hf", sandwich=self.sandwich)
+        return to_format(name, "hf", sandwich=self.sandwich, moe=self.moe)
 
     def from_hf(self, key: str) -> str | None:
-        return from_format(key, "hf", sandwich=self.sandwich)
+        return from_format(key, "hf", sandwich=self.sandwich, moe=self.moe)
 
     def _is_norm(self, name: str) -> bool:
         return self.offset != 0.0 and name.endswith("norm.weight")
@@ -75,7 +86,9 @@ class HFNames:
 # --- Hugging Face config.json -> ModelConfig ---------------------------------------------------------
 
 INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "head_dim", "max_position_embeddings", "sliding_window")
+            "intermediate_size", "head_dim", "max_position_embeddings", "sliding_window", "num_local_experts",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "decoder_sparse_step")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "query_pre_attn_scalar", "final_logit_softcapping",
               "attn_logit_softcapping", "rope_local_base_freq")
 
@@ -168,6 +181,25 @@ def _llama_like(data: dict, family_name: str) -> ModelConfig:
                        qk_norm=family_name == "qwen3", sliding_window=window, layer_types=types)
 
 
+def _moe(data: dict, family_name: str, n_layers: int) -> MoEConfig:
+    """The experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    if family_name == "mixtral":
+        return MoEConfig(n_experts=data["num_local_experts"], top_k=data["num_experts_per_tok"],
+                         ffn_dim=data["intermediate_size"], norm_topk_prob=True)
+    only = data.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise HardyError(f"mlp_only_layers must list layer indices (got {only!r})")
+    step = data.get("decoder_sparse_step") or 1
+    if step <= 0:
+        raise HardyError(f"decoder_sparse_step must be positive (got {step})")
+    dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    shared = data.get("shared_expert_intermediate_size") or 0 if family_name == "qwen2_moe" else 0
+    n_experts = data["num_experts"] if "num_experts" in data else data["num_local_experts"]  # transformers 5 writes the latter
+    return MoEConfig(n_experts=n_experts, top_k=data["num_experts_per_tok"],
+                     ffn_dim=data["moe_intermediate_size"], norm_topk_prob=bool(data.get("norm_topk_prob", False)),
+                     shared_ffn_dim=shared, shared_gate=bool(shared), dense_layers=dense)
+
+
 def _gemma(data: dict, family_name: str) -> ModelConfig:
     act = data.get("hidden_activation") or data.get("hidden_act")
     if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
@@ -216,7 +248,12 @@ def config_from_hf(data: dict, path) -> ModelConfig:
     try:
         if model_type.startswith("gemma"):
             return _gemma(data, model_type)
-        return _llama_like(data, model_type)
+        fam = FAMILIES[model_type]
+        cfg = _llama_like(data, fam.dense)
+        if fam.moe is None:
+            return cfg
+        bias = bool(data.get("qkv_bias", True)) if model_type == "qwen2_moe" else cfg.attn_bias
+        return cfg.replace(family=model_type, moe=_moe(data, model_type, cfg.n_layers), attn_bias=bias)
     except KeyError as e:
         raise HardyError(f"{path}: config.json lacks {e.args[0]}") from None
     except HardyError as e:  # the config's own checks: say which file
@@ -239,6 +276,14 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict:
 
 def _writable(cfg: ModelConfig) -> None:
     """A config whose options its family's files cannot say is refused rather than written wrong."""
+    fam = family(cfg.family)
+    if (cfg.moe is None) != (fam.moe is None):
+        raise HardyError(f"a model {'with' if cfg.moe else 'without'} experts cannot be written as a "
+                         f"{cfg.family!r} checkpoint")
+    if cfg.moe is not None:
+        _moe_writable(cfg, fam)
+    bias_free = fam.name == "qwen2_moe"  # its qkv_bias says whether it has them
+    cfg = cfg.replace(family=fam.dense, moe=None, attn_bias=cfg.attn_bias if not bias_free else True)
     expected = {"attn_bias": cfg.family == "qwen2", "qk_norm": cfg.family in ("qwen3", "gemma3_text"),
                 "sandwich_norms": cfg.family.startswith("gemma"),
                 "mlp_act": "gelu_tanh" if cfg.family.startswith("gemma") else "silu"}
@@ -257,6 +302,27 @@ def _writable(cfg: ModelConfig) -> None:
         wrong.append("rope_local_theta")
     if wrong:
         raise HardyError(f"the model's {', '.join(wrong)} cannot be written as a {cfg.family!r} checkpoint")
+
+
+def _moe_writable(cfg: ModelConfig, fam: Family) -> None:
+    m, wrong = cfg.moe, []
+    if fam.name == "mixtral" and (not m.norm_topk_prob or m.dense_layers or m.ffn_dim != cfg.ffn_dim):
+        wrong.append("dense layers, width or unnormalized routing")
+    if (m.shared_ffn_dim > 0) != (fam.name == "qwen2_moe") or m.shared_gate != bool(m.shared_ffn_dim):
+        wrong.append("shared expert")
+    if wrong:
+        raise HardyError(f"the model's experts ({', '.join(wrong)}) cannot be written as a {fam.name!r} checkpoint")
+
+
+def _moe_keys(cfg: ModelConfig) -> dict:
+    m = cfg.moe
+    if cfg.family == "mixtral":
+        return {"num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k}
+    out = {"num_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.ffn_dim,
+           "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": list(m.dense_layers)}
+    if cfg.family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = m.shared_ffn_dim
+    return out
 
 
 def hf_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: str = "float32") -> dict:
@@ -284,15 +350,17 @@ def hf_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None, dtype: s
             out.update(rope_local_base_freq=local["rope_theta"],
                        rope_parameters={"full_attention": rope, "sliding_attention": local})
         return out
-    out.update(hidden_act="silu")
-    if fam.name == "llama":
+    out.update(hidden_act="silu", **(_moe_keys(cfg) if cfg.moe else {}))
+    if fam.dense == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    elif fam.name == "mistral":
+    elif fam.dense == "mistral":
         out.update(sliding_window=cfg.sliding_window)
-    else:  # qwen2 / qwen3
+    else:  # qwen2 / qwen3 and their MoE
         sliding = cfg.sliding_window is not None
         out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window, layer_types=types,
                    max_window_layers=cfg.kinds.index("sliding") if sliding else cfg.n_layers)
-        if fam.name == "qwen3":
+        if fam.name == "qwen2_moe":
+            out.update(qkv_bias=cfg.attn_bias)
+        if fam.dense == "qwen3":
             out.update(attention_bias=cfg.attn_bias)
     return out

@@ -1,7 +1,8 @@
 """Write GGUF files llama.cpp loads: `hardy export --format gguf --type F32|F16|Q8_0|Q4_0|Q4_1`.
 
 Tensor names and metadata follow llama.cpp's architecture for the model's family
-(`hardy.formats.gguf_families`: llama, qwen2, qwen3, gemma2, gemma3); a `llama` file's attn_q/attn_k
+(`hardy.formats.gguf_families`: llama, qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe; Mixtral as
+`llama` with experts, each projection of all experts stacked in one tensor); a `llama` file's attn_q/attn_k
 rows are permuted to llama.cpp's interleaved rotary order. The tokenizer goes in as `gpt2`-style
 byte-level BPE (tokens in GPT-2's byte alphabet, merges, token types, BOS/EOS, `tokenizer.ggml.pre`)
 or, for a SentencePiece-style vocabulary (Gemma, Mistral), as `llama` pieces with scores and types.
@@ -29,7 +30,7 @@ import torch
 
 from hardy.errors import HardyError
 from hardy.formats.gguf_families import PERMUTED_QK, gguf_arch, write_metadata
-from hardy.formats.names import permute_qk, to_format
+from hardy.formats.names import permute_qk, stacked_name, to_format
 from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4
 
 TYPES = ("F32", "F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1")
@@ -185,36 +186,20 @@ def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32
         writer = gguf.GGUFWriter(str(tmp), arch)
         write_metadata(writer, cfg, _file_type(qtype))
         _tokenizer_metadata(writer, tokenizer)
+        experts: dict[str, list] = {}  # stacked name -> each expert's (array, raw type), in expert order
         for name in sorted([*floats, *quantized], key=_order):  # disjoint: quantized layers hold no parameters
-            target = to_format(name, "gguf")
-            heads = None
-            if arch in PERMUTED_QK and name.endswith((".wq.weight", ".wq.bias", ".wk.weight", ".wk.bias")):
-                heads = cfg.n_heads if ".wq." in name else cfg.n_kv_heads
-            qt = quantized.get(name)
-            if qt is not None and heads:
-                qt = _permute_quant(qt, heads)
-            if qt is not None:
-                blocks = repack_blocks(qt, qtype)
-                if blocks is not None:
-                    writer.add_tensor(target, blocks, raw_dtype=gguf.GGMLQuantizationType[qtype])
-                    counts["repacked"] += 1
-                    continue
-                values = qt.dequantize()
-            else:
-                values = floats[name]
-                if heads:
-                    values = permute_qk(values, heads)
-            array = np.ascontiguousarray(values.numpy().astype(np.float32))
-            if array.ndim == 1 or qtype == "F32":
-                writer.add_tensor(target, array)
-                counts["float"] += 1
-            elif qtype == "F16" or array.shape[-1] % BLOCK:
-                writer.add_tensor(target, array.astype(np.float16))
-                counts["float"] += 1
-            else:
-                t = gguf.GGMLQuantizationType[qtype]
-                writer.add_tensor(target, gguf.quants.quantize(array, t), raw_dtype=t)
-                counts["requantized"] += 1
+            array, raw, kind = _encoded(name, floats, quantized, cfg, arch, qtype)
+            counts[kind] += 1
+            stacked = stacked_name(name)
+            if stacked is None:
+                writer.add_tensor(to_format(name, "gguf"), array, raw_dtype=raw)
+                continue
+            experts.setdefault(stacked, []).append((array, raw))
+            if len(experts[stacked]) == cfg.moe.n_experts:  # GGUF holds a projection of all experts as one tensor
+                parts = experts.pop(stacked)
+                if len({(a.dtype, a.shape, r) for a, r in parts}) != 1:
+                    raise HardyError(f"{stacked}: the experts are not stored alike; cannot stack them")
+                writer.add_tensor(to_format(stacked, "gguf"), np.stack([a for a, _ in parts]), raw_dtype=parts[0][1])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -228,8 +213,41 @@ def export_gguf(model, cfg, tokenizer, out: str | os.PathLike, qtype: str = "F32
     return counts
 
 
+def _encoded(name: str, floats: dict, quantized: dict, cfg, arch: str, qtype: str):
+    """(array, raw GGUF type or None, which count) of one tensor as the file stores it."""
+    heads = None
+    if arch in PERMUTED_QK and name.endswith((".wq.weight", ".wq.bias", ".wk.weight", ".wk.bias")):
+        heads = cfg.n_heads if ".wq." in name else cfg.n_kv_heads
+    qt = quantized.get(name)
+    if qt is not None and heads:
+        qt = _permute_quant(qt, heads)
+    if qt is not None:
+        blocks = repack_blocks(qt, qtype)
+        if blocks is not None:
+            return blocks, gguf.GGMLQuantizationType[qtype], "repacked"
+        values = qt.dequantize()
+    else:
+        values = floats[name]
+        if heads:
+            values = permute_qk(values, heads)
+    if name.endswith("shared_gate.weight"):  # [1, dim] in the model, a vector in llama.cpp's files
+        values = values.reshape(-1)
+    array = np.ascontiguousarray(values.numpy().astype(np.float32))
+    # routers stay F32 as llama-quantize leaves them: a rounded router sends tokens to other experts
+    if array.ndim == 1 or qtype == "F32" or name.endswith("router.weight"):
+        return array, None, "float"
+    if qtype == "F16" or array.shape[-1] % BLOCK:
+        return array.astype(np.float16), None, "float"
+    t = gguf.GGMLQuantizationType[qtype]
+    return gguf.quants.quantize(array, t), t, "requantized"
+
+
 def _order(name: str) -> tuple:
-    """llama.cpp's conventional order: token_embd, blocks in order, output_norm, output."""
+    """llama.cpp's conventional order: token_embd, blocks in order, output_norm, output (a block's experts
+    in expert order, so that each stacked tensor's parts arrive one after another)."""
     if name.startswith("layers."):
-        return (1, int(name.split(".")[1]), name)
-    return ({"tok_embeddings.weight": 0, "norm.weight": 2, "output.weight": 3}.get(name, 4), 0, name)
+        parts = name.split(".")
+        if ".experts." in name:
+            return (1, int(parts[1]), f"{stacked_name(name)}", int(parts[4]))
+        return (1, int(parts[1]), name, 0)
+    return ({"tok_embeddings.weight": 0, "norm.weight": 2, "output.weight": 3}.get(name, 4), 0, name, 0)

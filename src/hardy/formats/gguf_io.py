@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from hardy.errors import HardyError
 from hardy.formats.gguf_quant import check_unpacks, is_quantized, packed_from_gguf, spec_for
 from hardy.formats.gguf_reader import GGUFFile
-from hardy.formats.names import check_weights, from_format, to_format, unpermute_qk
+from hardy.formats.names import STACKED, check_weights, expert_names, from_format, stacked_name, to_format, unpermute_qk
 from hardy.formats.quantized import QuantSpec
 from hardy.formats.tokenizer import tokenizer_from_gguf_fields
 from hardy.formats.gguf_families import PERMUTED_QK, config_from_gguf
@@ -76,18 +77,57 @@ def dequantize_tensor(t) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def check_shapes(cfg: ModelConfig, tensors, path: Path) -> None:
-    """A GGUF's tensor infos against its metadata, before any tensor is converted."""
-    shapes = {}
+def gguf_name(ours: str) -> str:
+    """The file's name of a hardy tensor (an expert's: the stacked tensor and the expert's index)."""
+    stacked = stacked_name(ours)
+    if stacked is None:
+        return to_format(ours, "gguf")
+    return f"{to_format(stacked, 'gguf')}[expert {ours.split('.experts.')[1].split('.')[0]}]"
+
+
+def split_experts(t, n_experts: int | None, path) -> list:
+    """A stacked expert tensor [experts, rows, columns] as one 2-D tensor view per expert (the bytes
+    stay in the memory map)."""
+    dims = [int(d) for d in t.shape]
+    if n_experts is None:
+        raise HardyError(f"{path}: tensor {t.name} holds experts; the metadata declares none")
+    if len(dims) != 3 or dims[2] != n_experts:
+        raise HardyError(f"{path}: tensor {t.name} has shape {tuple(reversed(dims))}, the metadata says "
+                         f"{n_experts} experts (expected [{n_experts}, rows, columns])")
+    size = t.n_bytes // n_experts
+    return [replace(t, shape=t.shape[:2].copy(), data_offset=t.data_offset + e * size, n_bytes=size, data=t.data[e])
+            for e in range(n_experts)]
+
+
+def hardy_tensors(cfg: ModelConfig, tensors, path) -> list[tuple[object, str]]:
+    """(tensor, hardy name) of every tensor hardy reads, stacked experts split one entry per expert."""
+    out = []
     for t in tensors:
         ours = from_format(t.name, "gguf")
         if ours is None:
             continue
+        if STACKED.fullmatch(ours):
+            out += zip(split_experts(t, cfg.moe.n_experts if cfg.moe else None, path), expert_names(ours, int(t.shape[-1])))
+        elif ours.endswith("shared_gate.weight") and len(t.shape) == 1:  # llama.cpp stores the gate as a vector
+            out.append((replace(t, shape=np_2d(t.shape), data=t.data.reshape(1, -1)), ours))
+        else:
+            out.append((t, ours))
+    return out
+
+
+def np_2d(shape):
+    return np.array([int(shape[0]), 1], dtype=np.uint64)
+
+
+def check_shapes(cfg: ModelConfig, tensors, path: Path) -> None:
+    """A GGUF's tensor infos against its metadata, before any tensor is converted."""
+    shapes = {}
+    for t, ours in hardy_tensors(cfg, tensors, path):
         if ours in shapes:
             raise HardyError(f"{path}: tensor {t.name} appears twice")
         shapes[ours] = tuple(int(d) for d in reversed(t.shape))
     check_weights(cfg, shapes, path, optional=("output.weight",),  # untied heads are decided by its presence
-                  describe=lambda name: to_format(name, "gguf"))
+                  describe=gguf_name)
 
 
 def load_gguf(path: str | os.PathLike, name: str = "custom"):
@@ -99,10 +139,7 @@ def load_gguf(path: str | os.PathLike, name: str = "custom"):
     check_shapes(cfg, reader.tensors, path)
     tokenizer = tokenizer_from_gguf_fields(fields, path)
     state = {}
-    for t in reader.tensors:
-        ours = from_format(t.name, "gguf")
-        if ours is None:
-            continue  # e.g. rope_freqs.weight: hardy derives the factors from metadata
+    for t, ours in hardy_tensors(cfg, reader.tensors, path):  # not rope_freqs: hardy derives it from metadata
         w = dequantize_tensor(t)
         heads = qk_heads(cfg, fields["general.architecture"], ours)
         state[ours] = unpermute_qk(w, heads) if heads else w
@@ -126,8 +163,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
     check_shapes(cfg, reader.tensors, path)
     tokenizer = tokenizer_from_gguf_fields(fields, path)
     state, quantized, types = {}, {}, {}
-    tensors = [(t, from_format(t.name, "gguf")) for t in reader.tensors]
-    tensors = [(t, ours) for t, ours in tensors if ours is not None]
+    tensors = hardy_tensors(cfg, reader.tensors, path)
     with _progress(len(tensors), progress, f"loading {path.name}") as bar:
         for t, ours in tensors:
             heads = qk_heads(cfg, fields["general.architecture"], ours)
@@ -151,9 +187,8 @@ def _progress(total: int, enabled: bool, desc: str):
 
 def native_layout(path) -> list[tuple[str, QuantSpec, tuple[int, int]]]:
     """(hardy name, spec, shape) of every matrix a native load quantizes, read from the header only."""
-    out = []
-    for t in open_gguf(path).tensors:
-        ours = from_format(t.name, "gguf")
-        if ours is not None and is_quantized(t):
+    out, reader = [], open_gguf(path)
+    for t, ours in hardy_tensors(read_config(reader, Path(path)), reader.tensors, path):
+        if is_quantized(t):
             out.append((ours, spec_for(t.tensor_type.name), (int(t.shape[1]), int(t.shape[0]))))
     return out

@@ -39,6 +39,60 @@ HF_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "m
                ("language_model.lm_head.", "lm_head."))
 
 
+# Mixture-of-experts tensors, after `layers.{i}.feed_forward.` in hardy's names. Hugging Face names
+# them per family (`HF_MOE`: block prefix, router, expert / shared-expert projections); GGUF stacks
+# each projection of all experts in one 3-D tensor (`ffn_gate_exps`: [experts, rows, columns]), which
+# hardy names with the expert index as `*` (`experts.*.w1.weight`) and splits on load.
+PROJECTIONS = ("w1", "w3", "w2")
+HF_MOE = {"mixtral": ("block_sparse_moe.", "gate.weight", ("w1", "w3", "w2"), None),
+          "qwen": ("mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj"), "shared_expert")}
+GGUF_MOE = {"router.weight": "ffn_gate_inp.weight", "shared_gate.weight": "ffn_gate_inp_shexp.weight",
+            **{f"experts.*.{w}.weight": f"ffn_{g}_exps.weight" for w, g in zip(PROJECTIONS, ("gate", "up", "down"))},
+            **{f"shared.{w}.weight": f"ffn_{g}_shexp.weight" for w, g in zip(PROJECTIONS, ("gate", "up", "down"))}}
+STACKED = re.compile(r"(layers\.\d+\.feed_forward\.experts)\.\*\.(w[123]\.weight)")
+
+
+def _moe_hf(style: str) -> list[tuple[str, str]]:
+    """(hardy regex, HF template) pairs of a style's MoE tensors; the regex's group is the expert."""
+    prefix, router, projections, shared = HF_MOE[style]
+    pairs = [(r"router\.weight", prefix + router)]
+    for ours, theirs in zip(PROJECTIONS, projections):
+        pairs.append((rf"experts\.(\d+)\.{ours}\.weight", prefix + "experts.{}." + theirs + ".weight"))
+        if shared:
+            pairs.append((rf"shared\.{ours}\.weight", f"{prefix}{shared}.{theirs}.weight"))
+    if shared:
+        pairs.append((r"shared_gate\.weight", f"{prefix}{shared}_gate.weight"))
+    return pairs
+
+
+def _moe_to(rest: str, fmt: str, moe: str | None) -> str | None:
+    if fmt == "gguf":
+        return GGUF_MOE.get(rest.removeprefix("feed_forward."))
+    if moe is None or not rest.startswith("feed_forward."):
+        return None
+    for pattern, template in _moe_hf(moe):
+        m = re.fullmatch(pattern, rest.removeprefix("feed_forward."))
+        if m:
+            return template.format(*m.groups())
+    return None
+
+
+def _moe_from(rest: str, fmt: str, moe: str | None) -> str | None:
+    if fmt == "gguf":
+        for ours, theirs in GGUF_MOE.items():
+            if theirs == rest:
+                return "feed_forward." + ours
+        return None
+    if moe is None:
+        return None
+    for pattern, template in _moe_hf(moe):
+        regex = re.escape(template).replace(r"\{\}", r"(\d+)")
+        m = re.fullmatch(regex, rest)
+        if m:
+            return "feed_forward." + (pattern.replace(r"(\d+)", m.group(1)) if m.groups() else pattern).replace("\\", "")
+    return None
+
+
 def _tables(fmt: str, sandwich: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     col, _ = _FORMATS[fmt]
     to_fmt = {k: v[col] for k, v in GLOBAL_TENSORS.items()}
@@ -50,18 +104,22 @@ def _tables(fmt: str, sandwich: bool = False) -> tuple[dict[str, str], dict[str,
     return to_fmt, layer
 
 
-def to_format(name: str, fmt: str, sandwich: bool = False) -> str:
-    """hardy name -> GGUF/HF name (`sandwich`: the HF names of a family with sandwich norms)."""
+def to_format(name: str, fmt: str, sandwich: bool = False, moe: str | None = None) -> str:
+    """hardy name -> GGUF/HF name (`sandwich`: the HF names of a family with sandwich norms; `moe`: the
+    HF naming style of its experts, "mixtral" or "qwen"; GGUF names stacked experts `experts.*`)."""
     globals_, layer = _tables(fmt, sandwich)
     if name in globals_:
         return globals_[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m and m.group(2) in layer:
         return _FORMATS[fmt][1].format(m.group(1)) + layer[m.group(2)]
+    theirs = _moe_to(m.group(2), fmt, moe) if m else None
+    if theirs is not None:
+        return _FORMATS[fmt][1].format(m.group(1)) + theirs
     raise KeyError(name)
 
 
-def from_format(name: str, fmt: str, sandwich: bool = False) -> str | None:
+def from_format(name: str, fmt: str, sandwich: bool = False, moe: str | None = None) -> str | None:
     """GGUF/HF name -> hardy name, or None for tensors hardy does not use (e.g. rope_freqs)."""
     if fmt == "hf":
         for prefix, plain in HF_PREFIXES:
@@ -78,7 +136,22 @@ def from_format(name: str, fmt: str, sandwich: bool = False) -> str | None:
         for ours, theirs in layer.items():
             if theirs == m.group(2):
                 return f"layers.{m.group(1)}.{ours}"
+        ours = _moe_from(m.group(2), fmt, moe)
+        if ours is not None:
+            return f"layers.{m.group(1)}.{ours}"
     return None
+
+
+def expert_names(stacked: str, n_experts: int) -> list[str]:
+    """`layers.3.feed_forward.experts.*.w1.weight` -> the n per-expert names it holds."""
+    m = STACKED.fullmatch(stacked)
+    return [f"{m.group(1)}.{e}.{m.group(2)}" for e in range(n_experts)]
+
+
+def stacked_name(name: str) -> str | None:
+    """A per-expert name -> its GGUF-stacked name (`experts.*`); None for any other tensor."""
+    m = re.fullmatch(r"(layers\.\d+\.feed_forward\.experts)\.\d+\.(w[123]\.weight)", name)
+    return f"{m.group(1)}.*.{m.group(2)}" if m else None
 
 
 def permute_qk(w, n_heads: int):

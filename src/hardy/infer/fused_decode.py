@@ -17,6 +17,7 @@ import torch
 from hardy.compress.kernels import kernel_group, kernel_tensors, load
 from hardy.compress.qlinear import QuantLinear
 from hardy.infer.kv import LayerKV
+from hardy.model.moe import MoE
 from hardy.model.transformer import BLOCK_LINEARS, RMSNorm, TransformerBlock
 
 _NONE = torch.empty(0)  # an absent bias or norm
@@ -24,6 +25,8 @@ BIASED = ("attention.wq", "attention.wk", "attention.wv")
 
 
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
+    if isinstance(block.feed_forward, MoE):  # the stack computes dense MLPs only
+        return None
     tensors, dims = [], []
     for name in BLOCK_LINEARS:
         layer = block.get_submodule(name)

@@ -29,6 +29,38 @@ class RopeScaling:
     kind: str = "llama3"
 
 
+MOE_ROUTERS = ("softmax_topk",)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: `top_k` of `n_experts` gated MLPs of width `ffn_dim` per token.
+    `norm_topk_prob`: the chosen experts' weights are renormalized to sum to 1 (Mixtral: always);
+    `shared_ffn_dim`: a shared expert every token also passes through (Qwen2-MoE), scaled by a sigmoid
+    gate if `shared_gate`; `dense_layers`: layers that keep the dense MLP of width ModelConfig.ffn_dim."""
+
+    n_experts: int
+    top_k: int
+    ffn_dim: int
+    norm_topk_prob: bool = True
+    router: str = "softmax_topk"
+    shared_ffn_dim: int = 0
+    shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def problems(self, n_layers: int) -> list[str]:
+        out = []
+        if not 0 < self.top_k <= self.n_experts:
+            out.append(f"moe top_k must be in [1, n_experts = {self.n_experts}] (got {self.top_k})")
+        if self.ffn_dim <= 0 or self.shared_ffn_dim < 0:
+            out.append(f"moe widths must be positive (ffn_dim {self.ffn_dim}, shared {self.shared_ffn_dim})")
+        if self.router not in MOE_ROUTERS:
+            out.append(f"moe router must be one of {', '.join(MOE_ROUTERS)} (got {self.router!r})")
+        if any(not 0 <= i < n_layers for i in self.dense_layers):
+            out.append(f"moe dense_layers must be layer indices below {n_layers} (got {list(self.dense_layers)})")
+        return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -60,6 +92,7 @@ class ModelConfig:
     sliding_window: int | None = None  # how many positions (itself included) a "sliding" layer's query sees
     layer_types: tuple[str, ...] = ()  # "full" | "sliding" per layer; () = every layer full
     rope_local_theta: float | None = None  # the RoPE base of sliding layers (Gemma 3); None: rope_theta
+    moe: MoEConfig | None = None  # experts in place of the dense MLP (Mixtral, Qwen2/3-MoE)
 
     def __post_init__(self) -> None:
         problems = []
@@ -98,7 +131,16 @@ class ModelConfig:
                 problems.append(f"{key} must be positive (got {value})")
         if not self.embed_scale > 0:
             problems.append(f"embed_scale must be positive (got {self.embed_scale})")
+        if self.moe is not None:
+            if self.moe.n_experts <= 0:
+                problems.append(f"moe n_experts must be positive (got {self.moe.n_experts})")
+            else:
+                problems += self.moe.problems(self.n_layers)
         return problems
+
+    def is_moe(self, layer: int) -> bool:
+        """Does `layer` route to experts (rather than run the dense MLP)?"""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @property
     def d_head(self) -> int:
@@ -115,7 +157,8 @@ class ModelConfig:
 
     def first_layers(self, n: int, name: str | None = None) -> "ModelConfig":
         """Only the first `n` blocks (their layer kinds kept)."""
-        return self.replace(n_layers=n, layer_types=self.layer_types[:n], name=name or self.name)
+        moe = self.moe and dataclasses.replace(self.moe, dense_layers=tuple(i for i in self.moe.dense_layers if i < n))
+        return self.replace(n_layers=n, layer_types=self.layer_types[:n], name=name or self.name, moe=moe)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -134,6 +177,10 @@ class ModelConfig:
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         if isinstance(data.get("layer_types"), list):
             data["layer_types"] = tuple(data["layer_types"])
+        if isinstance(data.get("moe"), dict):
+            moe = dict(data["moe"])
+            moe["dense_layers"] = tuple(moe.get("dense_layers", ()))
+            data["moe"] = MoEConfig(**moe)
         return cls(**data)
 
 
@@ -183,6 +230,12 @@ class ParamCount:
     norms: int
     output: int
     per_layer: int = field(default=0)
+    active_mlp: int | None = None  # MoE: the MLP parameters one token uses (router, its top-k experts, shared)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token reads (all of them for a dense model; fewer with experts)."""
+        return self.total - self.mlp + (self.mlp if self.active_mlp is None else self.active_mlp)
 
     @property
     def total(self) -> int:
@@ -199,25 +252,35 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
     attention = cfg.dim * q_out + 2 * cfg.dim * kv_out + q_out * cfg.dim
     if cfg.attn_bias:
         attention += q_out + 2 * kv_out
-    mlp = 3 * cfg.dim * cfg.ffn_dim
+    dense_mlp = 3 * cfg.dim * cfg.ffn_dim
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
+    moe_mlp = active_mlp = 0
+    if cfg.moe is not None:
+        m = cfg.moe
+        shared = 3 * cfg.dim * m.shared_ffn_dim + (cfg.dim if m.shared_ffn_dim and m.shared_gate else 0)
+        moe_mlp = cfg.dim * m.n_experts + m.n_experts * 3 * cfg.dim * m.ffn_dim + shared
+        active_mlp = cfg.dim * m.n_experts + m.top_k * 3 * cfg.dim * m.ffn_dim + shared
+    mlp = dense_mlp
     layer_norms = (4 if cfg.sandwich_norms else 2) * cfg.dim + (2 * cfg.d_head if cfg.qk_norm else 0)
     embedding = cfg.vocab_size * cfg.dim
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     return ParamCount(
         embedding=embedding,
         attention=cfg.n_layers * attention,
-        mlp=cfg.n_layers * mlp,
+        mlp=(cfg.n_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp,
         norms=cfg.n_layers * layer_norms + cfg.dim,
         output=output,
-        per_layer=attention + mlp + layer_norms,
+        per_layer=attention + (moe_mlp if moe_layers == cfg.n_layers else mlp) + layer_norms,
+        active_mlp=(cfg.n_layers - moe_layers) * dense_mlp + moe_layers * active_mlp,
     )
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B).
 
-    Matmul parameters exclude an untied input embedding (a lookup); a tied one is the LM head.
+    Matmul parameters exclude an untied input embedding (a lookup); a tied one is the LM head. With
+    experts, only those a token is routed to count (`ParamCount.active`).
     """
     counts = count_parameters(cfg)
-    matmul_params = counts.total - (counts.embedding if not cfg.tie_embeddings else 0) - counts.norms
+    matmul_params = counts.active - (counts.embedding if not cfg.tie_embeddings else 0) - counts.norms
     return 6 * matmul_params + 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len

@@ -1,8 +1,8 @@
 """The decoder-only transformer every supported family is a configuration of (`ModelConfig`): RMSNorm,
 RoPE (Llama 3.1 or linear scaling; a second base for sliding layers), GQA attention with optional
 q/k/v biases, per-head q/k norms, a sliding window per layer, a query scale and score soft-capping,
-a gated MLP (SwiGLU or GELU-tanh), optional norms on each sublayer's output, scaled embeddings and
-soft-capped logits. Llama, Mistral, Qwen2/3 and Gemma 3 differ only in those settings; which file
+a gated MLP (SwiGLU or GELU-tanh) or a mixture of such experts (`hardy.model.moe`), optional norms on each sublayer's output, scaled embeddings and
+soft-capped logits. Llama, Mistral, Qwen2/3, Gemma 3, Mixtral and Qwen2/3-MoE differ only in those settings; which file
 keys set them lives in `hardy.formats.families`.
 
 No distributed code lives here. Parallelism, activation checkpointing and compilation are
@@ -21,6 +21,7 @@ from torch import nn
 
 from hardy.model.config import ModelConfig, RopeScaling
 from hardy.model.loss import linear_cross_entropy
+from hardy.model.moe import MoE
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -216,8 +217,8 @@ class FeedForward(nn.Module):
         return self.w2(gate * self.w3(x))
 
 
-# Every linear of a block, in the order its forward reads them (the fused decode block,
-# hardy.compress.csrc/decode_layer.cpp, takes their weights in this order).
+# Every linear of a dense block, in the order its forward reads them (the fused decode block,
+# hardy.compress.csrc/decode_layer.cpp, takes their weights in this order; it computes no MoE block).
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
 
@@ -231,7 +232,7 @@ class TransformerBlock(nn.Module):
         # Gemma 2/3: each sublayer's output is normalized again before it joins the residual stream
         self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norms else None
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if cfg.is_moe(layer) else FeedForward(cfg)
         self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norms else None
         self.dropout = cfg.dropout
 
