@@ -297,3 +297,43 @@ def test_compressed_moe_model_generates_through_the_cli(saved, tmp_path):
     assert loaded.model.layers[1].feed_forward.experts[5].w2.quant_tensor().spec.bits == 4
     proc = hardy_main("generate", "--model", str(out), "--prompt", "hello", "--max-new-tokens", "6")
     assert proc.returncode == 0 and proc.stdout.startswith("hello"), proc.stderr
+
+
+# --- the grouped expert kernel (csrc/moe.cpp) ----------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@torch.inference_mode()
+def test_grouped_expert_kernel_equals_the_per_expert_loop(ggufs, tmp_path, qtype):
+    """One C++ call for all experts against the block's own loop over its active experts (each expert's
+    quantized kernels in turn): decode (one token), a small batch, every token to one expert, and
+    batched rows that share experts."""
+    from hardy.compress import kernels
+
+    assert kernels.load() is not None, "the kernels are built by make test"
+    source, _ = ggufs["qwen3_moe"]
+    export_gguf(source.model, source.config, byte_level_tokenizer(), tmp_path / "q.gguf", qtype)
+    model = load_model(str(tmp_path / "q.gguf"), gguf="native").model
+    block = model.layers[1].feed_forward
+    assert block.grouped is not None
+    gen = torch.Generator().manual_seed(9)
+    for shape in ((1, 1, 64), (1, 7, 64), (4, 1, 64), (2, 12, 64)):
+        x = torch.randn(*shape, generator=gen)
+        grouped = block(x)
+        saved, block.grouped = block.grouped, None
+        loop = block(x)
+        block.grouped = saved
+        torch.testing.assert_close(grouped, loop, rtol=0, atol=1e-5 * loop.abs().max().item())
+    block.router.weight.zero_()  # ties: every token to experts 0, 1, 2; the other nine get nothing
+    x = torch.randn(3, 9, 64, generator=gen)
+    grouped = block(x)
+    block.grouped = None
+    torch.testing.assert_close(grouped, block(x), rtol=0, atol=1e-5 * grouped.abs().max().item())
+
+
+def test_grouped_expert_kernel_refuses_bad_routes(ggufs, tmp_path):
+    source, _ = ggufs["qwen3_moe"]
+    export_gguf(source.model, source.config, byte_level_tokenizer(), tmp_path / "q.gguf", "Q8_0")
+    block = load_model(str(tmp_path / "q.gguf"), gguf="native").model.layers[0].feed_forward
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="outside"):
+        block.grouped(x, torch.ones(2, 3), torch.tensor([[0, 1, 12], [0, 1, 2]]))

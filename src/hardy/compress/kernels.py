@@ -20,12 +20,14 @@ from pathlib import Path
 import torch
 
 from hardy.compress.qlinear import QuantLinear
+from hardy.model.moe import MoE
 from hardy.devices import cpu_flags
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 # several translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
-SOURCES = [CSRC / "qgemv.cpp", CSRC / "gguf_tiled.cpp", CSRC / "decode_layer.cpp", CSRC / "bindings.cpp"]
+SOURCES = [CSRC / "qgemv.cpp", CSRC / "gguf_tiled.cpp", CSRC / "decode_layer.cpp", CSRC / "moe.cpp",
+           CSRC / "bindings.cpp"]
 HEADERS = [CSRC / "qgemv.h", CSRC / "kv.h"]
 _module = None
 _tried = False
@@ -135,7 +137,24 @@ def prepare(model) -> int:
         if isinstance(layer, QuantLinear) and layer.qweight.device.type == "cpu" and supports(layer):
             layer.kernel = make_kernel(layer, module)
             count += 1
+    for block in model.modules():
+        if isinstance(block, MoE):
+            block.grouped = grouped_experts(block, module)
     return count
+
+
+def grouped_experts(block: MoE, module):
+    """The experts of an MoE block as one C++ call (csrc/moe.cpp) where all of them have the kernel and
+    no bias, else None (the block then runs each active expert's modules)."""
+    linears = [lin for expert in block.experts for lin in (expert.w1, expert.w3, expert.w2)]
+    if not all(isinstance(lin, QuantLinear) and lin.kernel is not None and lin.bias is None for lin in linears):
+        return None
+    tensors, dims = [], []
+    for lin in linears:
+        tensors += kernel_tensors(lin)
+        dims += [kernel_group(lin), lin.out_features]
+    stack = module.MoEExperts(tensors, dims, block.experts[0].act == "gelu_tanh")
+    return lambda x, weights, experts: stack(x, experts, weights)
 
 
 if __name__ == "__main__":

@@ -73,12 +73,18 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(cfg.dim, moe.ffn_dim, cfg.mlp_act) for _ in range(moe.n_experts))
         self.shared = GatedMLP(cfg.dim, moe.shared_ffn_dim, cfg.mlp_act) if moe.shared_ffn_dim else None
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if moe.shared_ffn_dim and moe.shared_gate else None
+        # (x, weights, experts) -> the experts' weighted sum in one call: attached from outside where the
+        # experts are quantized with compiled kernels (hardy.compress.kernels.grouped_experts)
+        self.grouped = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = route(self.moe, self.router(flat))
-        out = self.mix(flat, weights.to(flat.dtype), experts)
+        if self.grouped is not None and flat.dtype == torch.float32:
+            out = self.grouped(flat.contiguous(), weights.contiguous(), experts.contiguous())
+        else:
+            out = self.mix(flat, weights.to(flat.dtype), experts)
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:

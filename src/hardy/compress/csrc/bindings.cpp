@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "gelu, query scale, softcap")
       .def("__call__", &DecodeStack::operator(),
            "x, positions, cos, sin, local cos, local sin, KV pool, block table -> x after every block");
+  py::class_<MoEExperts>(m, "MoEExperts")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, bool>(),
+           "w (9 per expert: gate, up, down as qweight, scales, mins), dims (6 per expert), gelu")
+      .def("__call__", &MoEExperts::operator(), "x [T, dim], experts [T, k] int64, weights [T, k] -> [T, dim]");
   m.def("q4_gguf_to_tiled", &q4_gguf_to_tiled, "GGUF Q4_0/Q4_1 blocks -> tiled int4 (qweight, scales, mins)");
   m.def("q8_gguf_to_tiled", &q8_gguf_to_tiled, "GGUF Q8_0 blocks -> tiled int8 codes and fp16 scales");
   m.def("q6k_to_tiled", &q6k_to_tiled, "GGUF Q6_K blocks -> tiled int8 g32 codes and fp16 scales (RTN)");

@@ -107,3 +107,15 @@ struct DecodeStack {
   std::vector<BlockExtras> block_extras;
   std::vector<const float*> norm_weights;  // per block: attention and FFN norm
 };
+
+// A mixture-of-experts block's experts (moe.cpp): built once from every expert's gate, up and down
+// matrices; a call takes the tokens, each token's k experts and weights, and returns the weighted sum.
+struct MoEExperts {
+  MoEExperts(std::vector<at::Tensor> w, std::vector<int64_t> dims, bool gelu);
+  at::Tensor operator()(at::Tensor x, at::Tensor experts, at::Tensor weights) const;
+  std::vector<at::Tensor> w;  // per expert: 3 x (qweight, scales, mins) for gate, up, down
+  std::vector<int64_t> dims;  // per expert: 3 x (group, rows)
+  bool gelu;
+  int64_t n_experts = 0, dim = 0, ffn = 0;
+  std::vector<QMatrix> mats;  // per expert: gate, up, down
+};
