@@ -82,16 +82,7 @@ def random_blocks(rng, rows: int, cols: int, qtype: str) -> np.ndarray:
 def write_gguf(path: Path, shape_name: str, qtype: str, seed: int = 0) -> None:
     import gguf
 
-    from hardy.formats.gguf_io import open_gguf
-    from hardy.formats.packaged import smollm2_gguf_path
-
     shape = SHAPES[shape_name]
-    fields = open_gguf(smollm2_gguf_path()).fields
-    tokens = list(fields["tokenizer.ggml.tokens"])
-    types = list(fields["tokenizer.ggml.token_type"])
-    pad = shape["vocab"] - len(tokens)
-    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
-    types += [3] * pad  # control tokens: never produced by the BPE merges
     tmp = path.with_suffix(".part")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(f"{shape_name}-random-{qtype}")
@@ -104,32 +95,57 @@ def write_gguf(path: Path, shape_name: str, qtype: str, seed: int = 0) -> None:
     w.add_rope_freq_base(shape["rope_theta"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(shape["dim"] // shape["n_heads"])
-    w.add_vocab_size(shape["vocab"])
+    add_vocabulary(w, shape["vocab"])
+    write_random_tensors(w, tensor_plan(shape, qtype), seed)
+    os.replace(tmp, path)
+
+
+def add_vocabulary(w, vocab: int) -> None:
+    """SmolLM2's BPE vocabulary (llama.cpp needs a real tokenizer in the file), padded to `vocab` entries
+    with control tokens, which the BPE merges never produce."""
+    from hardy.formats.gguf_io import open_gguf
+    from hardy.formats.packaged import smollm2_gguf_path
+
+    fields = open_gguf(smollm2_gguf_path()).fields
+    tokens, types = list(fields["tokenizer.ggml.tokens"]), list(fields["tokenizer.ggml.token_type"])
+    pad = vocab - len(tokens)
+    w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(fields.get("tokenizer.ggml.pre", "gpt-2"))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    w.add_token_list(tokens + [f"<|reserved_{i}|>" for i in range(pad)])
+    w.add_token_types(types + [3] * pad)
     w.add_token_merges(list(fields["tokenizer.ggml.merges"]))
     w.add_bos_token_id(int(fields["tokenizer.ggml.bos_token_id"]))
     w.add_eos_token_id(int(fields["tokenizer.ggml.eos_token_id"]))
-    plan = tensor_plan(shape, qtype)
+
+
+def write_random_tensors(w, plan: list[tuple[str, tuple[int, ...], str]], seed: int) -> None:
+    """The tensor infos, then each tensor's data one at a time (never the model in memory): "F32" ones
+    (norms), "F32R" random normal * 0.05 (routers: tokens spread over the experts), else random blocks
+    of that GGUF type along the last dimension; closes the writer."""
+    import gguf
+
     for name, dims, t in plan:
-        if t == "F32":
+        if t.startswith("F32"):
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
             qt = gguf.GGMLQuantizationType[t]
             values, size = gguf.GGML_QUANT_SIZES[qt]
-            byte_shape = (dims[0], dims[1] // values * size)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qt)
+            byte_shape = (*dims[:-1], dims[-1] // values * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, dims, t in plan:  # one tensor in memory at a time
-        data = np.ones(dims, np.float32) if t == "F32" else random_blocks(rng, dims[0], dims[1], t)
+    for name, dims, t in plan:
+        if t == "F32":
+            data = np.ones(dims, np.float32)
+        elif t == "F32R":
+            data = rng.standard_normal(dims, dtype=np.float32) * 0.05
+        else:
+            data = random_blocks(rng, int(np.prod(dims[:-1])), dims[-1], t).reshape(*dims[:-1], -1)
         w.write_tensor_data(data)
     w.close()
-    os.replace(tmp, path)
 
 
 def read_bandwidth(threads: int) -> float:

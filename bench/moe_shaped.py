@@ -14,10 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from big_cpu_model import random_blocks  # noqa: E402
+from big_cpu_model import add_vocabulary, write_random_tensors  # noqa: E402
 
 SHAPE = dict(dim=2048, n_heads=32, n_kv_heads=4, head_dim=128, n_experts=128, top_k=8, expert_ffn=768,
              vocab=151936, rope_theta=1000000.0)
@@ -43,15 +41,7 @@ def tensor_plan(n_layers: int, qtype: str) -> list[tuple[str, tuple[int, ...], s
 def write(path: Path, n_layers: int, qtype: str, seed: int = 0) -> None:
     import gguf
 
-    from hardy.formats.gguf_io import open_gguf
-    from hardy.formats.packaged import smollm2_gguf_path
-
     s = SHAPE
-    fields = open_gguf(smollm2_gguf_path()).fields
-    tokens, types = list(fields["tokenizer.ggml.tokens"]), list(fields["tokenizer.ggml.token_type"])
-    pad = s["vocab"] - len(tokens)
-    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
-    types += [3] * pad
     tmp = path.with_suffix(".part")
     w = gguf.GGUFWriter(str(tmp), "qwen3moe")
     w.add_name(f"qwen3-30b-a3b-shaped-{n_layers}l-random-{qtype}")
@@ -68,37 +58,8 @@ def write(path: Path, n_layers: int, qtype: str, seed: int = 0) -> None:
     w.add_value_length(s["head_dim"])
     w.add_rope_freq_base(s["rope_theta"])
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(s["vocab"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(fields.get("tokenizer.ggml.pre", "gpt-2"))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(list(fields["tokenizer.ggml.merges"]))
-    w.add_bos_token_id(int(fields["tokenizer.ggml.bos_token_id"]))
-    w.add_eos_token_id(int(fields["tokenizer.ggml.eos_token_id"]))
-    plan = tensor_plan(n_layers, qtype)
-    for name, dims, t in plan:
-        if t.startswith("F32"):
-            w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
-        else:
-            qt = gguf.GGMLQuantizationType[t]
-            values, size = gguf.GGML_QUANT_SIZES[qt]
-            byte_shape = (*dims[:-1], dims[-1] // values * size)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, dims, t in plan:  # one tensor in memory at a time
-        if t == "F32":
-            data = np.ones(dims, np.float32)
-        elif t == "F32R":  # a router: random scores, so tokens spread over the experts as trained ones do
-            data = rng.standard_normal(dims, dtype=np.float32) * 0.05
-        else:
-            rows = int(np.prod(dims[:-1]))
-            data = random_blocks(rng, rows, dims[-1], t).reshape(*dims[:-1], -1)
-        w.write_tensor_data(data)
-    w.close()
+    add_vocabulary(w, s["vocab"])
+    write_random_tensors(w, tensor_plan(n_layers, qtype), seed)
     os.replace(tmp, path)
 
 

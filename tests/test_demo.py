@@ -27,6 +27,22 @@ def _step(step: int, t: float, **extra) -> dict:
             "tokens_per_s": 2000.0, **extra}
 
 
+def test_an_injected_hang_names_its_rank_when_another_watchdog_fires_first(tmp_path):
+    """Rank 0 stalls itself; rank 1, waiting in rank 0's collective, may time out first (a loaded
+    machine): the line names the rank that hung, not the one whose watchdog reported."""
+    w = RunWatcher(tmp_path, total_steps=12, progress_every=100)
+    start = {"event": "start", "step": 0, "time": 100.0, "device": "cpu",
+             "config": {"resolved": {"model": {"name": "micro"}, "world_size": 2}}}
+    _write(tmp_path, [start, _step(1, 101.0), _step(2, 102.0)])
+    w.poll()
+    (tmp_path / "hang_rank1.jsonl").write_text(json.dumps({"event": "hang", "rank": 1, "time": 109.0,
+                                                           "detect_s": 6.1}) + "\n")
+    (tmp_path / "faults_fired.json").write_text(json.dumps(["hang@3@rank0"]))
+    _write(tmp_path, [{"event": "start", "step": 2, "time": 112.0, "resumed_from": "ckpt/step_2"}])
+    assert w.poll() == ["rank 0 hung (injected) at step 3 → watchdog stopped it after 6.1 s → restarted, "
+                        "resumed from step 2 in 3.0 s"]
+
+
 def test_watcher_names_each_failure_and_its_recovery(tmp_path):
     w = RunWatcher(tmp_path, total_steps=12, progress_every=100)
     assert w.poll() == []  # nothing written yet

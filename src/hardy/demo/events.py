@@ -158,9 +158,12 @@ class RunWatcher:
         since = self._last_time
         if hangs:
             hang = hangs[0]
-            step = next((s for k, s, _ in fired if k == "hang"), self._last_step + 1)
-            inc = Incident("hung", step, hang["time"], any(k == "hang" for k, _, _ in fired), rank=hang.get("rank"),
-                           detect_s=hang.get("detect_s"))
+            injected = next(((s, r) for k, s, r in fired if k == "hang"), None)
+            step = injected[0] if injected else self._last_step + 1
+            # the rank that stalled itself: the others stall in its collectives too, and whichever watchdog
+            # fires first reports; an injected hang names its own rank
+            inc = Incident("hung", step, hang["time"], injected is not None,
+                           rank=injected[1] if injected else hang.get("rank"), detect_s=hang.get("detect_s"))
             since = hang["time"]
             what = (f"rank {inc.rank} hung{' (injected)' if inc.injected else ''} at step {step} {ARROW} "
                     f"watchdog stopped it after {inc.detect_s:.1f} s")
