@@ -130,3 +130,13 @@ def sentencepiece_tokenizer(size: int = 320, space_prefix: bool = True):
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials[:3]])
     return HardyTokenizer(backend=backend, bos_id=2, eos_id=1, unk_id=3, pad_id=0, add_bos=True,
                           add_space_prefix=space_prefix, scores=scores, types=types)
+
+
+def llama_cpp_greedy(llm, prompt: list[int], n: int) -> list[int]:
+    """The first `n` greedy tokens llama.cpp (llama-cpp-python) continues `prompt` with."""
+    out = []
+    for token in llm.generate(prompt, temp=0.0, reset=True):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from families import SPM_FAMILIES, build_hf_model_for_gguf, byte_level_tokenizer, sentencepiece_tokenizer
+from families import (SPM_FAMILIES, build_hf_model_for_gguf, byte_level_tokenizer, llama_cpp_greedy,
+                      sentencepiece_tokenizer)
 from hardy.formats.gguf_export import export_gguf
 from hardy.infer.generate import SamplingConfig, generate
 from hardy.loading.load import load_model
@@ -52,11 +53,7 @@ def test_llama_cpp_gives_hardys_greedy_tokens_and_logits(ggufs, family):
     llm = _llama(path)
     assert llm.metadata["general.architecture"] == ARCH[family]
     prompt = list(range(5, 15))
-    theirs = []
-    for token in llm.generate(prompt, temp=0.0, reset=True):
-        theirs.append(int(token))
-        if len(theirs) == GREEDY:
-            break
+    theirs = llama_cpp_greedy(llm, prompt, GREEDY)
     assert generate(ours.model, prompt, SamplingConfig(max_new_tokens=GREEDY)).tokens == theirs
     tokens = torch.randint(4, 320, (SEQ,), generator=torch.Generator().manual_seed(7)).tolist()
     llm.reset()

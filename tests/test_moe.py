@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import hardy_main
-from families import build_hf_model, byte_level_tokenizer, moe_configs
+from families import build_hf_model, byte_level_tokenizer, llama_cpp_greedy, moe_configs
 from hardy.formats.gguf_export import export_gguf
 from hardy.formats.hf import save_hf_dir
 from hardy.infer.generate import SamplingConfig, generate
@@ -196,11 +196,7 @@ def test_llama_cpp_gives_hardys_greedy_tokens_and_logits(ggufs, family):
                           verbose=False)
     assert llm.metadata["general.architecture"] == ARCH[family]
     prompt = list(range(5, 15))
-    theirs = []
-    for token in llm.generate(prompt, temp=0.0, reset=True):
-        theirs.append(int(token))
-        if len(theirs) == GREEDY:
-            break
+    theirs = llama_cpp_greedy(llm, prompt, GREEDY)
     assert generate(ours.model, prompt, SamplingConfig(max_new_tokens=GREEDY)).tokens == theirs
     tokens = torch.randint(4, 320, (32,), generator=torch.Generator().manual_seed(7)).tolist()
     llm.reset()
