@@ -333,3 +333,28 @@ def test_grouped_expert_kernel_refuses_bad_routes(ggufs, tmp_path):
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="outside"):
         block.grouped(x, torch.ones(2, 3), torch.tensor([[0, 1, 12], [0, 1, 2]]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_path, family):
+    """Decode through the C++ block stack (router, top-k, grouped experts inside it) against the modules
+    (each block's attention and MoE block in PyTorch, the experts' own kernels): batched rows at their
+    own positions, and the same greedy tokens. An fp32 cache: the two paths' keys differ in the last
+    fp32 bit, which a bf16 cache can round one bf16 step apart, and a route may follow it."""
+    from hardy.infer.fused_decode import fused_blocks
+    from test_kernels import _batched_decode
+
+    source, _ = ggufs[family]
+    export_gguf(source.model, source.config, byte_level_tokenizer(), tmp_path / "q.gguf", "Q4_0")
+    model = load_model(str(tmp_path / "q.gguf"), gguf="native").model
+    assert fused_blocks(model) is not None
+    prompts = torch.randint(0, 320, (3, 30), generator=torch.Generator().manual_seed(1))
+    lengths = [30, 11, 23]
+    fused = _batched_decode(model, prompts, lengths, True, torch.float32)
+    modules = _batched_decode(model, prompts, lengths, False, torch.float32)
+    assert (fused - modules).norm() / modules.norm() < 1e-5
+    prompt = list(range(5, 20))
+    with torch.inference_mode():
+        fast = generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens
+        model._fused_decode = None  # the modules from here on
+        assert generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens == fast

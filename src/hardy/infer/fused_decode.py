@@ -1,6 +1,7 @@
 """Decode steps through the fused block stack (hardy.compress.csrc/decode_layer.cpp) where a model
-allows: every block's seven linears quantized with the fused kernels attached, float32 norms, biases
-and activations, the paged KV cache (hardy.infer.kv) on the CPU, one process. All blocks are then one
+allows: every block's linears quantized with the fused kernels attached (a mixture-of-experts block:
+q, k, v, o and every expert's three, routed and grouped by expert inside the stack), float32 norms,
+biases, routers and activations, the paged KV cache (hardy.infer.kv) on the CPU, one process. All blocks are then one
 C++ call instead of ~25 operator calls per block from Python — at SmolLM2's size that overhead, not
 reading the weights, was most of a decode step. The stack takes each family's options (q/k/v biases,
 q/k norms, sandwich norms, GELU-tanh, query scale, soft-capping, sliding windows, local RoPE tables)
@@ -24,11 +25,33 @@ _NONE = torch.empty(0)  # an absent bias or norm
 BIASED = ("attention.wq", "attention.wk", "attention.wv")
 
 
+def _linears(block) -> list[str] | None:
+    """The block's linears in the stack's order: q, k, v, o, then the MLP's gate, up, down or each
+    expert's in turn; None for an MoE block the stack does not compute (a shared expert, a float router)."""
+    ffn = block.feed_forward
+    if not isinstance(ffn, MoE):
+        return list(BLOCK_LINEARS)
+    if ffn.shared is not None or not isinstance(ffn.router, torch.nn.Linear) or ffn.router.weight.dtype != torch.float32 \
+            or ffn.moe.router != "softmax_topk" or ffn.moe.top_k > 64:
+        return None
+    return list(BLOCK_LINEARS[:4]) + [f"feed_forward.experts.{e}.{w}" for e in range(len(ffn.experts))
+                                      for w in ("w1", "w3", "w2")]
+
+
+def _moe_args(block) -> tuple[torch.Tensor, list[int]]:
+    """(router, [experts, top k, renormalize]) of a block: an empty router and zeros for a dense one."""
+    ffn = block.feed_forward
+    if not isinstance(ffn, MoE):
+        return _NONE, [0, 0, 0]
+    return ffn.router.weight.detach().contiguous(), [ffn.moe.n_experts, ffn.moe.top_k, int(ffn.moe.norm_topk_prob)]
+
+
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:
-    if isinstance(block.feed_forward, MoE):  # the stack computes dense MLPs only
+    names = _linears(block)
+    if names is None:
         return None
     tensors, dims = [], []
-    for name in BLOCK_LINEARS:
+    for name in names:
         layer = block.get_submodule(name)
         if not isinstance(layer, QuantLinear) or layer.kernel is None:
             return None
@@ -67,7 +90,7 @@ def fused_blocks(model) -> tuple | None:
     fused = None
     cfg = model.cfg
     if module is not None and hasattr(module, "DecodeStack") and model.norm.weight.dtype == torch.float32:
-        tensors, dims, norms, extras = [], [], [], []
+        tensors, dims, norms, extras, routers, moe = [], [], [], [], [], []
         for block in model.layers:
             args = _block_args(block) if isinstance(block, TransformerBlock) else None
             parts = _block_parts(block) if args is not None else None
@@ -78,11 +101,14 @@ def fused_blocks(model) -> tuple | None:
             dims += args[1]
             norms += parts[0]
             extras += parts[1]
+            router, numbers = _moe_args(block)
+            routers.append(router)
+            moe += numbers
         if tensors:
             head_dim = model.layers[0].attention.head_dim
             windows = [cfg.window(i) or 0 for i in range(cfg.n_layers)]
             local = [int(model.local_rope and kind == "sliding") for kind in cfg.kinds]
-            fused = module.DecodeStack(norms, tensors, dims, extras, windows, local, cfg.norm_eps, head_dim,
+            fused = module.DecodeStack(norms, tensors, dims, extras, windows, local, routers, moe, cfg.norm_eps, head_dim,
                                        cfg.mlp_act == "gelu_tanh", cfg.attn_scale or head_dim ** -0.5,
                                        cfg.attn_softcap or 0.0)
     model._fused_decode = fused

@@ -10,10 +10,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_range", &dequant_range, "consecutive rows of a tiled int8 or int4 matrix into an fp32/bf16 slab");
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
-                    std::vector<int64_t>, std::vector<int64_t>, double, int64_t, bool, double, double>(),
-           "norms (4 per block, post norms may be empty), w (21 per block), dims (14 per block), extras (q/k/v "
-           "biases, q/k norms per block, empty where absent), windows, local rotary (per block), eps, head_dim, "
-           "gelu, query scale, softcap")
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, double,
+                    int64_t, bool, double, double>(),
+           "norms (4 per block, post norms may be empty), w (3 per matrix: q, k, v, o, then gate, up, down of the "
+           "MLP or of each expert), dims (2 per matrix), extras (q/k/v biases, q/k norms per block, empty where "
+           "absent), windows, local rotary (per block), routers (per block, empty: dense), moe (3 per block: "
+           "experts, top k, renormalize), eps, head_dim, gelu, query scale, softcap")
       .def("__call__", &DecodeStack::operator(),
            "x, positions, cos, sin, local cos, local sin, KV pool, block table -> x after every block");
   py::class_<MoEExperts>(m, "MoEExperts")

@@ -83,6 +83,16 @@ struct Step {
   const int32_t* table;
   bool gelu;
   float scale, softcap;
+  // mixture-of-experts blocks (sized for the largest): R = B x top k (token, expert) pairs
+  float* logits;                       // [B, experts]: router scores, then probabilities
+  int64_t *pair_expert, *row_of, *token_of, *expert_first, *cursor;  // [R], [R], [R], [experts + 1], [experts]
+  float* pair_weight;                  // [R]
+  uint8_t* chosen;                     // [experts]
+  int8_t *moe_codes, *mid_codes;       // [R, D], [R, F]: the pairs' quantized inputs, grouped by expert
+  float *moe_scales, *moe_sums, *mid_scales, *mid_sums;
+  float *moe_gate, *moe_up, *moe_down;  // [R, F], [R, F], [R, D]
+  float* moe_xg;                        // per thread: [R, most groups of any matrix]
+  int64_t moe_xg_stride;
 };
 
 // This thread's share of the products of `count` matrices (the same input, quantized in the Step's
@@ -158,6 +168,114 @@ void gated_quantized(const Step& s, int64_t F, int tid, int n) {
     quantize_rows(s.gate + b0 * QK, 1, (b1 - b0) * QK, s.codes + b0 * QK, s.block_scales + b0, s.block_sums + b0);
 }
 
+// --- mixture-of-experts blocks --------------------------------------------------------------------
+
+// This thread's experts' router scores for every row (s.h: the normalized FFN input, in float).
+void router_logits(const Step& s, const float* router, int64_t E, int tid, int n) {
+  for (int64_t e = E * tid / n; e < E * (tid + 1) / n; ++e)
+    for (int64_t b = 0; b < s.B; ++b) s.logits[b * E + e] = kv_dot<KVType::F32>(router + e * s.D, s.h + b * s.D, s.D);
+}
+
+// Thread 0: softmax, the top k of each row (ties to the lower expert, as hardy.model.moe routes),
+// renormalized if asked; the pairs grouped by expert and their quantized input rows gathered.
+void route_and_group(const Step& s, int64_t E, int64_t k, bool normalize) {
+  const int64_t B = s.B, R = B * k, D = s.D, nb = D / QK;
+  for (int64_t b = 0; b < B; ++b) {
+    float* p = s.logits + b * E;
+    float mx = -INFINITY, total = 0.f, kept = 0.f;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, p[e]);
+    for (int64_t e = 0; e < E; ++e) { p[e] = std::exp(p[e] - mx); total += p[e]; }
+    for (int64_t e = 0; e < E; ++e) p[e] /= total;
+    std::fill(s.chosen, s.chosen + E, 0);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!s.chosen[e] && (best < 0 || p[e] > p[best])) best = e;
+      s.chosen[best] = 1;
+      s.pair_expert[b * k + j] = best;
+      s.pair_weight[b * k + j] = p[best];
+      kept += p[best];
+    }
+    if (normalize)
+      for (int64_t j = 0; j < k; ++j) s.pair_weight[b * k + j] /= kept;
+  }
+  std::fill(s.expert_first, s.expert_first + E + 1, 0);
+  for (int64_t i = 0; i < R; ++i) s.expert_first[s.pair_expert[i] + 1]++;
+  for (int64_t e = 0; e < E; ++e) s.expert_first[e + 1] += s.expert_first[e];
+  std::copy(s.expert_first, s.expert_first + E, s.cursor);
+  for (int64_t i = 0; i < R; ++i) {  // pairs in token order: each expert's rows keep the tokens' order
+    s.row_of[i] = s.cursor[s.pair_expert[i]]++;
+    s.token_of[s.row_of[i]] = i / k;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = s.token_of[r];
+    std::memcpy(s.moe_codes + r * D, s.codes + t * D, D);
+    std::memcpy(s.moe_scales + r * nb, s.block_scales + t * nb, nb * sizeof(float));
+    std::memcpy(s.moe_sums + r * nb, s.block_sums + t * nb, nb * sizeof(float));
+  }
+}
+
+// This thread's share of the active experts' gate and up products (down = false) or down products
+// (down = true), the bytes of all of them split evenly between the threads.
+void expert_products(const Step& s, const QMatrix* X, int64_t E, bool down, int tid, int n) {
+  const int first_m = down ? 2 : 0, count = down ? 1 : 2;
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (s.expert_first[e + 1] > s.expert_first[e])
+      for (int p = first_m; p < first_m + count; ++p) total += X[3 * e + p].tiles * X[3 * e + p].tile_bytes();
+  const int64_t lo = total * tid / n, hi = total * (tid + 1) / n;
+  float* xg = s.moe_xg + tid * s.moe_xg_stride;
+  int64_t offset = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = s.expert_first[e], rows = s.expert_first[e + 1] - first;
+    if (rows == 0) continue;
+    for (int p = first_m; p < first_m + count; ++p) {
+      const QMatrix& m = X[3 * e + p];
+      const int64_t tb = m.tile_bytes(), size = m.tiles * tb;
+      const int64_t begin = std::min(m.tiles, std::max<int64_t>(0, (lo - offset + tb - 1) / tb));
+      const int64_t end = std::min(m.tiles, std::max<int64_t>(0, (hi - offset + tb - 1) / tb));
+      offset += size;
+      if (begin >= end) continue;
+      const int64_t K = m.K, F = X[0].rows;
+      const int8_t* codes = (down ? s.mid_codes : s.moe_codes) + first * K;
+      const float* scales = (down ? s.mid_scales : s.moe_scales) + first * K / QK;
+      const float* sums = (down ? s.mid_sums : s.moe_sums) + first * K / QK;
+      if (m.w4) group_sums(m, rows, sums, xg);
+      float* out = down ? s.moe_down + first * s.D : (p == 0 ? s.moe_gate : s.moe_up) + first * F;
+      matrix_tiles(m, begin, end, rows, codes, scales, xg, out);
+    }
+  }
+}
+
+// The experts' activation on this thread's whole blocks of 32 of [R, F], quantized for the down products.
+void expert_activation(const Step& s, int64_t R, int64_t F, int tid, int n) {
+  const int64_t blocks = R * F / QK, b0 = blocks * tid / n, b1 = blocks * (tid + 1) / n;
+  for (int64_t i = b0 * QK; i < b1 * QK; ++i) {
+    const float g = s.moe_gate[i];
+    s.moe_gate[i] = (s.gelu ? gelu_tanh(g) : g / (1.f + std::exp(-g))) * s.moe_up[i];
+  }
+  if (b1 > b0)
+    quantize_rows(s.moe_gate + b0 * QK, 1, (b1 - b0) * QK, s.mid_codes + b0 * QK, s.mid_scales + b0, s.mid_sums + b0);
+}
+
+// Thread 0: each row's weighted sum of its experts' outputs into proj, in expert order (as the module
+// path's index_add_ adds them).
+void expert_sum(const Step& s, int64_t k) {
+  const int64_t D = s.D;
+  for (int64_t b = 0; b < s.B; ++b) {
+    float* y = s.proj + b * D;
+    std::fill(y, y + D, 0.f);
+    int64_t order[64];
+    for (int64_t j = 0; j < k; ++j) order[j] = b * k + j;
+    std::sort(order, order + k, [&](int64_t a, int64_t c) { return s.pair_expert[a] < s.pair_expert[c]; });
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = s.pair_weight[order[j]];
+      const float* d = s.moe_down + s.row_of[order[j]] * D;
+      for (int64_t i = 0; i < D; ++i) y[i] += d[i] * w;
+    }
+  }
+}
+
 // After the q/k/v products (thread 0): biases, per-head norms, rotary embedding, the cache write.
 void prepare_attention(const Step& s, int64_t l, int64_t H) {
   const BlockExtras& e = s.extras[l];
@@ -188,8 +306,9 @@ void residual(const Step& s, const float* post_norm) {
 void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
   const int64_t B = s.B, D = s.D, L = st.norms.size() / 4;
   for (int64_t l = 0; l < L; ++l) {
-    const QMatrix* M = st.mats.data() + 7 * l;
+    const QMatrix* M = st.mats.data() + st.first_mat[l];
     const BlockExtras& e = s.extras[l];
+    const int64_t experts = st.moe[3 * l];
     const int64_t H = M[0].rows / s.hd, F = M[4].rows;
     if (tid == 0) {
       if (l > 0) residual(s, s.extras[l - 1].post_ffn);  // the previous block's FFN residual
@@ -214,6 +333,22 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
     barrier();
+    if (experts > 0) {
+      const int64_t k = st.moe[3 * l + 1];
+      router_logits(s, st.routers[l].data_ptr<float>(), experts, tid, n);
+      barrier();
+      if (tid == 0) route_and_group(s, experts, k, st.moe[3 * l + 2] != 0);
+      barrier();
+      expert_products(s, M + 4, experts, false, tid, n);
+      barrier();
+      expert_activation(s, B * k, F, tid, n);
+      barrier();
+      expert_products(s, M + 4, experts, true, tid, n);
+      barrier();
+      if (tid == 0) expert_sum(s, k);
+      barrier();
+      continue;
+    }
     float* gate_up[2] = {s.gate, s.up};
     products(s, M + 4, 2, gate_up, tid, n);
     barrier();
@@ -236,24 +371,44 @@ const float* optional_weight(const at::Tensor& t, int64_t size, const char* what
 
 DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor> w_, std::vector<int64_t> dims_,
                          std::vector<at::Tensor> extras_, std::vector<int64_t> windows_, std::vector<int64_t> local_,
-                         double eps_, int64_t head_dim_, bool gelu_, double scale_, double softcap_)
+                         std::vector<at::Tensor> routers_, std::vector<int64_t> moe_, double eps_, int64_t head_dim_,
+                         bool gelu_, double scale_, double softcap_)
     : norms(std::move(norms_)), w(std::move(w_)), dims(std::move(dims_)), extras(std::move(extras_)),
       windows(std::move(windows_)), local(std::move(local_)), eps(eps_), head_dim(head_dim_), gelu(gelu_),
-      scale(scale_), softcap(softcap_) {
+      scale(scale_), softcap(softcap_), routers(std::move(routers_)), moe(std::move(moe_)) {
   const size_t L = norms.size() / 4;
-  TORCH_CHECK(norms.size() == 4 * L && w.size() == 21 * L && dims.size() == 14 * L && extras.size() == 5 * L &&
-              windows.size() == L && local.size() == L,
-              "per block: four norms (two may be empty), seven quantized linears, five optional extras, a window");
-  check_on_cpu(w, "a block's quantized matrix");
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "an even head size");
-  for (size_t i = 0; i < 7 * L; ++i) mats.push_back(quantized_matrix(w[3 * i], w[3 * i + 1], w[3 * i + 2], dims[2 * i], dims[2 * i + 1]));
+  TORCH_CHECK(norms.size() == 4 * L && extras.size() == 5 * L && windows.size() == L && local.size() == L &&
+              routers.size() == L && moe.size() == 3 * L,
+              "per block: four norms (two may be empty), five optional extras, a window, a router (may be empty), "
+              "three MoE numbers");
+  size_t total = 0;
   for (size_t l = 0; l < L; ++l) {
-    const QMatrix* M = mats.data() + 7 * l;
-    const int64_t D = M[0].K, hd = head_dim;
+    TORCH_CHECK(moe[3 * l] >= 0 && (moe[3 * l] == 0 || (moe[3 * l + 1] > 0 && moe[3 * l + 1] <= moe[3 * l] &&
+                                                         moe[3 * l + 1] <= 64)), "experts >= 0, 1 <= top k <= min(experts, 64)");
+    first_mat.push_back(total);
+    total += moe[3 * l] ? 4 + 3 * moe[3 * l] : 7;
+  }
+  TORCH_CHECK(w.size() == 3 * total && dims.size() == 2 * total,
+              "per block: q, k, v, o and the MLP's or every expert's gate, up and down (three tensors, two sizes each)");
+  check_on_cpu(w, "a block's quantized matrix");
+  check_on_cpu(routers, "a router");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "an even head size");
+  for (size_t i = 0; i < total; ++i) mats.push_back(quantized_matrix(w[3 * i], w[3 * i + 1], w[3 * i + 2], dims[2 * i], dims[2 * i + 1]));
+  for (size_t l = 0; l < L; ++l) {
+    const QMatrix* M = mats.data() + first_mat[l];
+    const int64_t D = M[0].K, hd = head_dim, E = moe[3 * l];
     TORCH_CHECK(M[1].K == D && M[2].K == D && M[0].rows % hd == 0 && M[1].rows % hd == 0 &&
-                M[1].rows == M[2].rows && M[3].K == M[0].rows && M[3].rows == D && M[4].K == D && M[5].K == D &&
-                M[4].rows == M[5].rows && M[4].rows % QK == 0 && M[6].K == M[4].rows && M[6].rows == D &&
-                (l == 0 || D == mats[0].K), "a block's seven matrices do not fit together (q, k, v, o, gate, up, down)");
+                M[1].rows == M[2].rows && M[3].K == M[0].rows && M[3].rows == D && (l == 0 || D == mats[0].K),
+                "a block's attention matrices do not fit together (q, k, v, o)");
+    for (int64_t x = 0; x < std::max<int64_t>(E, 1); ++x) {
+      const QMatrix* X = M + 4 + 3 * x;
+      TORCH_CHECK(X[0].K == D && X[1].K == D && X[0].rows == M[4].rows && X[1].rows == M[4].rows &&
+                  M[4].rows % QK == 0 && X[2].K == M[4].rows && X[2].rows == D,
+                  "a block's MLP or expert matrices do not fit together (gate, up, down)");
+    }
+    if (E > 0)
+      TORCH_CHECK(routers[l].scalar_type() == at::kFloat && routers[l].is_contiguous() && routers[l].dim() == 2 &&
+                  routers[l].size(0) == E && routers[l].size(1) == D, "a router: contiguous float32 [experts, D]");
     BlockExtras e;
     for (int j = 0; j < 2; ++j)
       TORCH_CHECK(optional_weight(norms[4 * l + j], D, "a block's norm"), "a block's attention and FFN norms");
@@ -303,19 +458,30 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
     for (int64_t i = 0; i <= pos[b] / block; ++i)
       TORCH_CHECK(tab[b * width + i] >= 0 && tab[b * width + i] < pool.size(0), "a block table entry outside the pool");
   }
-  int64_t widest = D, groups = 1, kv_max = 0;
+  int64_t widest = D, groups = 1, kv_max = 0, experts = 0, top_k = 0, expert_ffn = QK;
   for (int64_t l = 0; l < L; ++l) {
-    const QMatrix* M = mats.data() + 7 * l;
+    const QMatrix* M = mats.data() + first_mat[l];
+    const int64_t count = moe[3 * l] ? 4 + 3 * moe[3 * l] : 7;
     TORCH_CHECK(M[1].rows == KVH * hd && (M[0].rows / hd) % KVH == 0, "head counts do not match the KV pool");
     widest = std::max({widest, M[0].rows, M[4].rows});
     kv_max = std::max(kv_max, M[1].rows);
-    for (int j = 0; j < 7; ++j) groups = std::max(groups, M[j].groups);
+    for (int64_t j = 0; j < count; ++j) groups = std::max(groups, M[j].groups);
+    if (moe[3 * l]) {
+      experts = std::max(experts, moe[3 * l]);
+      top_k = std::max(top_k, moe[3 * l + 1]);
+      expert_ffn = std::max(expert_ffn, M[4].rows);
+    }
   }
+  const int64_t R = B * top_k;
 
   const int threads = std::max(1, at::get_num_threads());
   auto out = x.clone();  // the residual stream, updated in place
-  std::vector<float> floats(B * (2 * D + 4 * widest + 2 * kv_max + 2 * widest / QK) + threads * (B * groups + S));
-  std::vector<int8_t> codes(B * widest);
+  std::vector<float> floats(B * (2 * D + 4 * widest + 2 * kv_max + 2 * widest / QK) + threads * (B * groups + S) +
+                            B * experts + R + 2 * R * D / QK + 2 * R * expert_ffn / QK + 2 * R * expert_ffn + R * D +
+                            threads * R * groups);
+  std::vector<int8_t> codes(B * widest), moe_codes(R * (D + expert_ffn));
+  std::vector<int64_t> ints(3 * R + 2 * experts + 1);
+  std::vector<uint8_t> chosen(experts);
   Step s{B, D, hd, S, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos_local.data_ptr<float>(),
          sin_local.data_ptr<float>(), (float)eps};
   float* f = floats.data();
@@ -334,6 +500,25 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   s.xg_stride = B * groups;
   s.xg = take(threads * s.xg_stride);
   s.probs = take(threads * S);
+  s.logits = take(B * experts);
+  s.pair_weight = take(R);
+  s.moe_scales = take(R * D / QK);
+  s.moe_sums = take(R * D / QK);
+  s.mid_scales = take(R * expert_ffn / QK);
+  s.mid_sums = take(R * expert_ffn / QK);
+  s.moe_gate = take(R * expert_ffn);
+  s.moe_up = take(R * expert_ffn);
+  s.moe_down = take(R * D);
+  s.moe_xg_stride = R * groups;
+  s.moe_xg = take(threads * s.moe_xg_stride);
+  s.moe_codes = moe_codes.data();
+  s.mid_codes = moe_codes.data() + R * D;
+  s.pair_expert = ints.data();
+  s.row_of = ints.data() + R;
+  s.token_of = ints.data() + 2 * R;
+  s.expert_first = ints.data() + 3 * R;
+  s.cursor = ints.data() + 3 * R + experts + 1;
+  s.chosen = chosen.data();
   s.codes = codes.data();
   s.norms = norm_weights.data();
   s.extras = block_extras.data();

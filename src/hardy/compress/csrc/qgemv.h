@@ -91,19 +91,23 @@ struct BlockExtras {
 };
 struct DecodeStack {
   DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> w, std::vector<int64_t> dims,
-              std::vector<at::Tensor> extras, std::vector<int64_t> windows, std::vector<int64_t> local, double eps,
-              int64_t head_dim, bool gelu, double scale, double softcap);
+              std::vector<at::Tensor> extras, std::vector<int64_t> windows, std::vector<int64_t> local,
+              std::vector<at::Tensor> routers, std::vector<int64_t> moe, double eps, int64_t head_dim, bool gelu,
+              double scale, double softcap);
   at::Tensor operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor cos_local,
                         at::Tensor sin_local, at::Tensor pool, at::Tensor table) const;
-  std::vector<at::Tensor> norms, w;  // per block: attention, FFN, post-attention, post-FFN norm; 7 x (qweight, scales, mins)
-  std::vector<int64_t> dims;         // per block: 7 x (group, rows)
+  std::vector<at::Tensor> norms, w;  // per block: attention, FFN, post-attention, post-FFN norm; (4 + 3 x (experts or 1)) x (qweight, scales, mins)
+  std::vector<int64_t> dims;         // per block: (4 + 3 x (experts or 1)) x (group, rows)
   std::vector<at::Tensor> extras;    // per block: q, k, v biases, q and k norms (empty where absent)
   std::vector<int64_t> windows, local;  // per block: sliding window (0: none), 1: the local rotary tables
   double eps;
   int64_t head_dim;
   bool gelu;             // GELU-tanh gate (Gemma) instead of SiLU
   double scale, softcap;  // the query scale; attention scores soft-capped at this (0: not)
-  std::vector<QMatrix> mats;         // per block: q, k, v, o, gate, up, down
+  std::vector<at::Tensor> routers;   // per block: the router [experts, D] of a mixture-of-experts block, else empty
+  std::vector<int64_t> moe;          // per block: experts (0: a dense block), top k, renormalize the k weights (1/0)
+  std::vector<QMatrix> mats;         // per block: q, k, v, o, then gate, up, down (of each expert in turn)
+  std::vector<int64_t> first_mat;    // per block: its q's index in mats
   std::vector<BlockExtras> block_extras;
   std::vector<const float*> norm_weights;  // per block: attention and FFN norm
 };
