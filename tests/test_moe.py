@@ -358,3 +358,41 @@ def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_pat
         fast = generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens
         model._fused_decode = None  # the modules from here on
         assert generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens == fast
+
+
+# --- the planner: total vs active parameters, experts shared across a batch ----------------------------
+
+def test_plan_serve_reads_only_the_routed_experts_and_shares_them_across_a_batch(ggufs, tmp_path):
+    from hardy.plan.hardware import get_hardware
+    from hardy.plan.serve import distinct_experts, plan_serve
+    from hardy.plan.weights import layout_from_gguf
+
+    assert distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert distinct_experts(128, 8, 8) == pytest.approx(128 * (1 - (120 / 128) ** 8))
+    assert 127 < distinct_experts(128, 8, 512) <= 128
+    # a Qwen3-30B-A3B-shaped config: 30.5B parameters, 3.3B of them active per token
+    cfg = ModelConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, head_dim=128,
+                      max_seq_len=40960, family="qwen3_moe", qk_norm=True,
+                      moe=MoEConfig(n_experts=128, top_k=8, ffn_dim=768, norm_topk_prob=True))
+    from hardy.model.config import count_parameters
+
+    counts = count_parameters(cfg)
+    assert 30.0e9 < counts.total < 31.0e9 and 3.2e9 < counts.active < 3.5e9
+    hw = get_hardware("epyc-genoa")
+    one, eight = (plan_serve(cfg, hw, quant="int4", context=4096, output_tokens=256, batch=b) for b in (1, 8))
+    dense_bytes = counts.total * 0.625  # every weight at int4 g32 (4 bits + fp16 scale and min per 32)
+    assert one.weight_bytes == pytest.approx(dense_bytes, rel=0.02)
+    # batch 1 reads the attention, routers, head and 8 experts per layer: about the active parameters
+    assert one.step_bytes_per_device < 0.2 * dense_bytes
+    expert_layer = 3 * 2048 * 768 * 0.625
+    kv = one.kv_bytes_per_token * (4096 - 256 + 128) + 0.625 * 2048  # per sequence: its KV and an embedding row
+    shared = eight.step_bytes_per_device - 8 * kv - (one.step_bytes_per_device - kv)
+    assert shared == pytest.approx(48 * (distinct_experts(128, 8, 8) - 8) * expert_layer, rel=1e-6)
+    assert any("3.3" in n and "active" in n for n in one.notes)
+    # a GGUF file's stacked experts are counted as experts, at the file's own bytes
+    source, _ = ggufs["qwen3_moe"]
+    export_gguf(source.model, source.config, byte_level_tokenizer(), tmp_path / "q8.gguf", "Q8_0")
+    layout = layout_from_gguf(tmp_path / "q8.gguf")
+    m = source.config.moe
+    per_expert = 3 * 64 * m.ffn_dim * (1 + 2 / 32)  # Q8_0: a byte and a share of an fp16 scale per weight
+    assert layout.expert_bytes == pytest.approx(source.config.n_layers * m.n_experts * per_expert)

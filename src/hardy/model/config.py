@@ -212,6 +212,15 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.1-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                                  ffn_dim=53248, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
                                  max_seq_len=131072, name="llama3.1-405b"),
+    # Mixtures of experts (Qwen3-MoE): for planning (`hardy plan serve --model qwen3-235b-a22b`)
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144,
+                                 head_dim=128, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+                                 name="qwen3-30b-a3b", family="qwen3_moe", qk_norm=True,
+                                 moe=MoEConfig(n_experts=128, top_k=8, ffn_dim=768)),
+    "qwen3-235b-a22b": ModelConfig(vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                                   ffn_dim=12288, head_dim=128, norm_eps=1e-6, rope_theta=1000000.0,
+                                   max_seq_len=40960, name="qwen3-235b-a22b", family="qwen3_moe", qk_norm=True,
+                                   moe=MoEConfig(n_experts=128, top_k=8, ffn_dim=1536)),
 }
 
 

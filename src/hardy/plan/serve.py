@@ -1,4 +1,5 @@
-"""`hardy plan serve`: memory, latency, throughput and cost of serving a Llama-family model.
+"""`hardy plan serve`: memory, latency, throughput and cost of serving a model (dense, or a mixture of
+experts: a step reads only the experts its tokens are routed to, shared across a batch).
 
 A roofline model of one request and of one decode step: a step takes the longer of streaming its
 bytes at the achievable memory bandwidth and doing its FLOPs at the achievable FLOP/s, plus the
@@ -49,6 +50,13 @@ class Shard:
     head: int  # the LM head (a tied embedding is only this): quantized, read every step
     embedding: int  # an untied input embedding: quantized, one row read per token
     norms: int  # RMSNorm weights: replicated, kept in 16 bits (32 for fp32)
+    expert: int = 0  # of matmul: one expert's three matrices summed over the MoE layers (its share here)
+
+
+def distinct_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Experts a layer reads for `tokens` tokens that each pick `top_k` of `n_experts`, routed uniformly
+    and independently: n (1 - (1 - k/n)^tokens). One token reads k; a batch shares the ones it repeats."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** tokens)
 
 
 def shard(model: ModelConfig, devices: int) -> Shard:
@@ -66,9 +74,18 @@ def shard(model: ModelConfig, devices: int) -> Shard:
     d, dh, L = model.dim, model.d_head, model.n_layers
     vocab = math.ceil(model.vocab_size / devices)
     counts = count_parameters(model)
-    return Shard(q_heads=q, kv_heads=kv, kv_replicated=kv * devices > model.n_kv_heads,
-                 matmul=L * (2 * d * q * dh + 2 * d * kv * dh + 3 * d * math.ceil(model.ffn_dim / devices)),
-                 head=vocab * d, embedding=0 if model.tie_embeddings else vocab * d, norms=counts.norms)
+    attention = L * (2 * d * q * dh + 2 * d * kv * dh)
+    moe_layers = sum(model.is_moe(i) for i in range(L))
+    mlp = (L - moe_layers) * 3 * d * math.ceil(model.ffn_dim / devices)
+    expert = 0
+    if model.moe is not None:  # experts split like a dense MLP's columns; routers and gates replicated
+        m = model.moe
+        expert = moe_layers * 3 * d * math.ceil(m.ffn_dim / devices)
+        shared = 3 * d * math.ceil(m.shared_ffn_dim / devices) + (d if m.shared_gate else 0)
+        mlp += m.n_experts * expert + moe_layers * (d * m.n_experts + shared)
+    return Shard(q_heads=q, kv_heads=kv, kv_replicated=kv * devices > model.n_kv_heads, matmul=attention + mlp,
+                 head=vocab * d, embedding=0 if model.tie_embeddings else vocab * d, norms=counts.norms,
+                 expert=expert)
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "fp16", kv_heads: int | None = None) -> float:
@@ -187,6 +204,31 @@ class ServePlan:
         return rows
 
 
+def _experts(model: ModelConfig, s: Shard, devices: int, bpw: float, w_read: float, layout: WeightLayout | None):
+    """(bytes the weights a pass over `tokens` tokens reads, matmul parameters one token uses, a note
+    for the batch) — for a dense model all of them, for a mixture of experts only the experts routed to."""
+    if model.moe is None or not s.expert:
+        return (lambda tokens: w_read), s.matmul, None
+    m = model.moe
+    if layout is not None and layout.expert_bytes:  # the file's own bytes, this device's share
+        one = layout.expert_bytes / m.n_experts * s.expert / shard(model, 1).expert
+    else:
+        one = s.expert * bpw
+    counts = count_parameters(model)
+
+    def read(tokens: int) -> float:
+        return w_read - (m.n_experts - distinct_experts(m.n_experts, m.top_k, tokens)) * one
+
+    def note(batch: int) -> str:
+        layers = sum(model.is_moe(i) for i in range(model.n_layers))
+        return (f"experts: {m.n_experts} per layer, {m.top_k} active; {counts.total / 1e9:,.2f}B parameters, "
+                f"{counts.active / 1e9:,.2f}B active per token; a decode step reads "
+                f"{distinct_experts(m.n_experts, m.top_k, batch):,.1f} distinct experts per layer at batch {batch} "
+                f"(uniform routing), {_gb(one / layers)} each per device")
+
+    return read, s.matmul - (m.n_experts - m.top_k) * s.expert, note
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f} GB" if x >= 1e8 else f"{x / 1e6:,.2f} MB"
 
@@ -262,6 +304,7 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     L, dim, dh = model.n_layers, model.dim, model.d_head
 
     row_read = 0.0 if model.tie_embeddings else row_bytes  # one embedding row per sequence per token
+    weights_read, active_matmul, moe_note = _experts(model, s, devices, bpw, w_read, layout)
     kv_tok_dev = kv_bytes_per_token(model, kv_dtype, s.kv_heads)
     kv_seq_dev = kv_tok_dev * context
     usable = hw.memory_bytes * (1 - RESERVE)
@@ -274,8 +317,8 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
 
     # Prefill of one prompt: all its tokens through the matmuls, the LM head on the last position
     # only, causal attention over P(P+1)/2 query-key pairs; the weights are read once.
-    pf_flops = 2 * s.matmul * prompt + 2 * s.head + 4 * L * s.q_heads * dh * prompt * (prompt + 1) / 2
-    pf_bytes = w_read + row_read * prompt + kv_tok_dev * prompt
+    pf_flops = 2 * active_matmul * prompt + 2 * s.head + 4 * L * s.q_heads * dh * prompt * (prompt + 1) / 2
+    pf_bytes = weights_read(prompt) + row_read * prompt + kv_tok_dev * prompt
     pf_roof = max(pf_flops / flops_rate, pf_bytes / bandwidth)
     prefill = (pf_roof + dispatch_s(hw, ops, pf_roof)
                + 2 * L * ring_allreduce(prompt * dim * act_bytes, devices, link))
@@ -284,8 +327,8 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     avg_ctx = prompt + output_tokens / 2
 
     def step(b: int) -> tuple[float, float, float, float, float, float, float]:
-        nbytes = w_read + b * (row_read + kv_tok_dev * avg_ctx)
-        flops = b * (2 * (s.matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
+        nbytes = weights_read(b) + b * (row_read + kv_tok_dev * avg_ctx)
+        flops = b * (2 * (active_matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
         comm = 2 * L * ring_allreduce(b * dim * act_bytes, devices, link)
         mem_s, comp_s = nbytes / decode_bandwidth, flops / flops_rate
         disp = dispatch_s(hw, ops, max(mem_s, comp_s))
@@ -318,6 +361,8 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
                          f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
     batch = batch or 1
     step_s, mem_s, comp_s, disp_s, comm_s, step_bytes, step_flops = step(batch)
+    if moe_note is not None:
+        notes.append(moe_note(batch))
     if layout is not None:
         notes.append(f"weights as the file holds them: {layout.types}")
     if s.kv_replicated:

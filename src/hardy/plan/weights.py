@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hardy.errors import HardyError
 from hardy.formats.gguf_io import open_gguf
-from hardy.formats.gguf_quant import is_quantized, spec_for
+from hardy.formats.gguf_quant import FLOAT_TYPES, is_quantized, spec_for
 from hardy.formats.names import from_format
 from hardy.formats.quantized import QuantSpec
 
@@ -21,6 +21,7 @@ class WeightLayout:
     norm_bytes: float
     types: str  # the file's tensor types, e.g. "Q4_0 x 225, F32 x 65"
     quantized: bool  # any matrix quantized: decode runs hardy's int4/int8 kernels
+    expert_bytes: float = 0.0  # of matmul_bytes: every expert of every mixture-of-experts layer
 
     @property
     def total(self) -> float:
@@ -36,7 +37,7 @@ def held_bytes(spec: QuantSpec, rows: int, cols: int) -> float:
 
 
 def layout_from_gguf(path) -> WeightLayout:
-    matmul = head = embedding = norms = 0.0
+    matmul = head = embedding = norms = experts = 0.0
     counts: dict[str, int] = {}
     quantized = False
     names = set()
@@ -49,12 +50,17 @@ def layout_from_gguf(path) -> WeightLayout:
         elements = 1
         for d in t.shape:
             elements *= int(d)
-        if is_quantized(t):
+        stacked = len(t.shape) == 3  # a projection of all experts: [experts, rows, columns]
+        if is_quantized(t) or (stacked and t.tensor_type.name not in FLOAT_TYPES):
             quantized = True
-            nbytes = held_bytes(spec_for(t.tensor_type.name), int(t.shape[1]), int(t.shape[0]))
+            rows = int(t.shape[1]) * (int(t.shape[2]) if stacked else 1)
+            nbytes = held_bytes(spec_for(t.tensor_type.name), rows, int(t.shape[0]))
         else:
             nbytes = 4.0 * elements  # float tensors load as fp32
-        if ours == "output.weight":
+        if stacked:
+            matmul += nbytes
+            experts += nbytes
+        elif ours == "output.weight":
             head += nbytes
         elif ours == "tok_embeddings.weight":
             embedding += nbytes
@@ -67,4 +73,4 @@ def layout_from_gguf(path) -> WeightLayout:
     if "output.weight" not in names:  # tied: the embedding table is the head
         head, embedding = embedding, 0.0
     types = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
-    return WeightLayout(matmul, head, embedding, norms, types, quantized)
+    return WeightLayout(matmul, head, embedding, norms, types, quantized, experts)
