@@ -170,24 +170,28 @@ BATCH_PROMPT = 64  # tokens per sequence before the batched decode
 
 
 def hardy_batch_decode(model, batch: int, steps: int) -> float:
-    """Aggregate tokens/s of `steps` decode steps over `batch` sequences (what `hardy serve` runs)."""
+    """Aggregate tokens/s of `steps` decode steps over `batch` sequences through `hardy serve`'s own
+    runner (paged bf16 KV cache, the fused blocks, the LM head)."""
     import torch
 
-    from hardy.infer.fused_decode import decode_hidden
+    from hardy.infer.kv import BLOCK
+    from hardy.serve.engine import ModelRunner
 
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(1000, 40000, (batch, BATCH_PROMPT), generator=gen)
     tokens = torch.randint(1000, 40000, (steps, batch, 1), generator=gen)
-    model.setup_kv_cache(batch, BATCH_PROMPT + steps + 8)
+    context = BATCH_PROMPT + steps + 8
+    runner = ModelRunner(model, batch, context, capacity=batch * -(-context // BLOCK) * BLOCK)
+    rows = list(range(batch))
     try:
-        with torch.inference_mode():
-            model.hidden_states(prompts, 0)
-            positions = torch.full((batch,), BATCH_PROMPT, dtype=torch.long)
-            model.output(decode_hidden(model, tokens[0], positions)[:, -1])  # warm-up step
-            t0 = time.perf_counter()
-            for step in range(1, steps):
-                model.output(decode_hidden(model, tokens[step], positions + step)[:, -1])
-            return batch * (steps - 1) / (time.perf_counter() - t0)
+        for row in rows:
+            runner.prefill(row, prompts[row:row + 1])
+        positions = torch.full((batch,), BATCH_PROMPT, dtype=torch.long)
+        runner.decode(tokens[0], positions, rows)  # warm-up step
+        t0 = time.perf_counter()
+        for step in range(1, steps):
+            runner.decode(tokens[step], positions + step, rows)
+        return batch * (steps - 1) / (time.perf_counter() - t0)
     finally:
         model.clear_kv_cache()
 
@@ -247,6 +251,8 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
         ttft, decode_tps = g.stats.prefill_s, g.stats.decode_tps
         peak = vm_hwm()  # serving one request: before the batched run adds its caches
         batch_tps = hardy_batch_decode(m.model, batch, new_tokens // 2) if batch > 1 else float("nan")
+        # the same serving step with one sequence: what batching multiplies
+        step1_tps = hardy_batch_decode(m.model, 1, new_tokens // 2) if batch > 1 else float("nan")
     else:
         import llama_cpp
 
@@ -264,8 +270,9 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
         llm.close()  # the batched run maps (and llama.cpp repacks) the weights again
         del llm
         batch_tps = llama_batch_decode(path, threads, batch, new_tokens // 2) if batch > 1 else float("nan")
+        step1_tps = float("nan")
     return {"engine": engine, "load_s": load_s, "ttft_s": ttft, "decode_tps": decode_tps, "batch_tps": batch_tps,
-            "peak_rss": peak}
+            "batch1_step_tps": step1_tps, "peak_rss": peak}
 
 
 def main() -> None:
@@ -279,13 +286,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="sequences in the batched-decode run (1: none)")
     ap.add_argument("--engines", default="hardy,llama")
+    ap.add_argument("--model", default=None, help="an existing GGUF file instead of --shape/--type/--dir")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    path = Path(args.dir) / f"{args.shape}.{args.type}.gguf"
+    path = Path(args.model) if args.model else Path(args.dir) / f"{args.shape}.{args.type}.gguf"
     if args.worker:
         print(json.dumps(worker(args.worker, path, args.threads, args.prompt, args.new_tokens, args.batch)))
         return
     if not path.exists():
+        if args.model:
+            raise SystemExit(f"no such file: {path}")
         path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         write_gguf(path, args.shape, args.type)
@@ -298,7 +308,8 @@ def main() -> None:
         for engine in args.engines.split(","):
             cmd = [sys.executable, __file__, "--worker", engine, "--shape", args.shape, "--type", args.type,
                    "--dir", args.dir, "--threads", str(args.threads), "--prompt", str(args.prompt),
-                   "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)]
+                   "--new-tokens", str(args.new_tokens), "--batch", str(args.batch)] + \
+                (["--model", str(path)] if args.model else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stderr[-3000:], file=sys.stderr)

@@ -389,6 +389,13 @@ def test_plan_serve_reads_only_the_routed_experts_and_shares_them_across_a_batch
     shared = eight.step_bytes_per_device - 8 * kv - (one.step_bytes_per_device - kv)
     assert shared == pytest.approx(48 * (distinct_experts(128, 8, 8) - 8) * expert_layer, rel=1e-6)
     assert any("3.3" in n and "active" in n for n in one.notes)
+    # the active experts stream at the grouped kernel's measured rate, the rest at the dense kernel's
+    import dataclasses
+
+    cpu = dataclasses.replace(hw, quantized_decode_bandwidth=40e9, expert_decode_bandwidth=20e9)
+    split = plan_serve(cfg, cpu, quant="int4", context=4096, output_tokens=256, batch=1)
+    routed = 48 * 8 * expert_layer
+    assert split.step_memory_s == pytest.approx((split.step_bytes_per_device - routed) / 40e9 + routed / 20e9)
     # a GGUF file's stacked experts are counted as experts, at the file's own bytes
     source, _ = ggufs["qwen3_moe"]
     export_gguf(source.model, source.config, byte_level_tokenizer(), tmp_path / "q8.gguf", "Q8_0")

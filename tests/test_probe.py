@@ -105,7 +105,14 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     by_width = {int(w): r for w, r in profile["gemv"]["bandwidth_by_width"].items()}
     assert hw.decode_rate(576) == by_width[576] and hw.decode_rate(100_000) == by_width[4096]
     assert min(by_width.values()) <= hw.decode_rate(1000) <= max(by_width.values())
-    assert profile["quant_gemv"]["bandwidth"] > 0  # hardy probe hands the kernel's step to the probe
+    quant = profile["quant_gemv"]  # hardy probe hands the kernels' steps to the probe
+    q_width = {int(w): r for w, r in quant["bandwidth_by_width"].items()}
+    assert sorted(q_width) == [1024, 2048, 4096] and quant["bandwidth"] == q_width[4096] > 0
+    assert hw.decode_rate(2048, quantized=True) == q_width[2048]  # the model's width, not the 4096 figure
+    assert min(q_width.values()) <= hw.decode_rate(3000, quantized=True) <= max(q_width.values())
+    assert quant["expert_bytes"] == 8 * 3 * 2048 * 768 * 18 // 32  # 8 experts' gate, up, down at Q4_0's bytes
+    assert hw.expert_rate(2048, quantized=True) == quant["expert_bandwidth"] > 0
+    assert hw.expert_rate(2048) == hw.decode_rate(2048)  # float weights: no grouped kernel
     tr = profile["training_runtime"]
     assert "error" not in tr, tr
     assert hw.runtime_overhead_bytes == tr["runtime_overhead_bytes"] >= 0

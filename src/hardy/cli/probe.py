@@ -56,8 +56,16 @@ def table(profile: dict) -> list[tuple[str, str]]:
         rows.append(("decode GEMV fp32 GB/s", f"{_g(gemv['bandwidth'])}  (batch 1, 64 MiB of weights; by width {by_width})"))
     quant = profile.get("quant_gemv")
     if quant:
+        by_width = " ".join(f"{w}:{_g(r)}" for w, r in sorted((quant.get("bandwidth_by_width") or {}).items(),
+                                                              key=lambda kv: int(kv[0])))
         rows.append(("decode int4 kernel GB/s", f"{_g(quant['bandwidth'])}  (hardy's fused kernel, batch 1, "
-                                                f"{quant['bytes'] >> 20} MiB of {quant['format']} weights)"))
+                                                f"{quant['bytes'] >> 20} MiB of {quant['format']} weights"
+                                                + (f"; by width {by_width})" if by_width else ")")))
+        if "expert_bandwidth" in quant:
+            shape = quant["expert_shape"]
+            rows.append(("decode MoE experts GB/s", f"{_g(quant['expert_bandwidth'])}  (grouped kernel, "
+                                                    f"{shape['top_k']} of {shape['experts']} experts of {shape['ffn']} x {shape['dim']}"
+                                                    " per token)"))
     mem = profile["memory"]
     rows.append(("memory copy GB/s", f"{_g(mem['bandwidth'])}  ({mem['buffer_bytes'] >> 20} MiB, read+write)"))
     dispatch = profile["dispatch"]

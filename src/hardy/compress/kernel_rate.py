@@ -1,5 +1,6 @@
-"""The rate at which hardy's fused int4 decode kernel streams its weights, for `hardy probe` (the
-planner's decode model reads it from the profile). Here, not in ops/, because it runs compress's
+"""The rates at which hardy's fused int4 decode kernels stream their weights, for `hardy probe` (the
+planner's decode model reads them from the profile): a dense layer's matrix, and a mixture of experts'
+grouped experts (small matrices, a few of many per token). Here, not in ops/, because it runs compress's
 layers and kernels; the probe is handed this function by the command line."""
 from __future__ import annotations
 
@@ -15,22 +16,66 @@ MiB = 1 << 20
 
 def measure_quant_gemv(device: torch.device, quick: bool) -> dict | None:
     """Rate at which hardy's fused int4 decode kernel (hardy.compress.kernels; symmetric int4 g32, a
-    GGUF Q4_0 file's layout) reads its weights at batch 1, on a 4096-wide matrix of >= 64 MiB (DRAM,
-    as a real model's layers are). None off the CPU or where the kernels are not built."""
+    GGUF Q4_0 file's layout) reads its weights at batch 1, on 64 MiB matrices (DRAM, as a real model's
+    layers are) of widths from a 1B model's to an 8B model's: narrower rows pay the per-row reduction
+    on fewer bytes. The 4096-wide rate is the profile's figure. None off the CPU or where the kernels
+    are not built."""
     if device.type != "cpu":
         return None
     if kernels.load() is None:
         return None
-    width, spec = 4096, QuantSpec(4, 32, True)
-    nbytes = width // 2 + 2 * width // 32  # per row: the codes and one fp16 scale per 32
-    rows = -(-(64 * MiB) // nbytes) // 8 * 8 + 8
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (rows, width), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(rows, width // 32, generator=gen) * 1e-2 + 1e-3).half()
-    layer = QuantLinear(QuantTensor(codes=codes, scale=scale, mins=None, spec=spec))
-    del codes
-    kernels.prepare(layer)
-    x = torch.randn(1, width)
-    seconds = best_time(lambda: layer(x), device, 0.05 if quick else 0.2)
-    return {"format": "int4 symmetric g32 (Q4_0)", "width": width, "bytes": rows * nbytes,
-            "bandwidth": rows * nbytes / seconds}
+    by_width, nbytes = {}, 0
+    for width in QUANT_WIDTHS:
+        per_row = width // 2 + 2 * width // 32  # the codes and one fp16 scale per 32
+        rows = -(-(64 * MiB) // per_row) // 8 * 8 + 8
+        layer = _random_q4_0(rows, width, gen)
+        kernels.prepare(layer)
+        x = torch.randn(1, width)
+        nbytes = rows * per_row
+        by_width[str(width)] = nbytes / best_time(lambda: layer(x), device, 0.05 if quick else 0.2)
+        del layer
+    return {"format": "int4 symmetric g32 (Q4_0)", "width": QUANT_WIDTHS[-1], "bytes": nbytes,
+            "bandwidth": by_width[str(QUANT_WIDTHS[-1])], "bandwidth_by_width": by_width, **measure_expert_gemv(quick)}
+
+
+QUANT_WIDTHS = (1024, 2048, 4096)
+
+
+def _random_q4_0(rows: int, cols: int, gen: torch.Generator) -> QuantLinear:
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(rows, cols // 32, generator=gen) * 1e-2 + 1e-3).half()
+    return QuantLinear(QuantTensor(codes=codes, scale=scale, mins=None, spec=QuantSpec(4, 32, True)))
+
+
+# A Qwen3-30B-A3B layer's experts (hidden 2048, expert width 768, 8 of 128 per token), fewer of them:
+# enough that a token's experts come from DRAM, as a real model's do
+EXPERT_SHAPE = dict(dim=2048, ffn=768, top_k=8)
+
+
+def measure_expert_gemv(quick: bool) -> dict:
+    """Rate at which the grouped experts kernel (csrc/moe.cpp) reads a batch-1 token's active experts
+    (gate, up and down, Q4_0) when each call routes to experts the last few calls did not touch: small
+    matrices read a few at a time run below a large matrix's rate."""
+    d, f, k = EXPERT_SHAPE["dim"], EXPERT_SHAPE["ffn"], EXPERT_SHAPE["top_k"]
+    n = 32 if quick else 64  # x 2.6 MiB: 85 or 170 MiB of experts
+    gen = torch.Generator().manual_seed(1)
+    experts = torch.nn.ModuleList(torch.nn.ModuleList([_random_q4_0(f, d, gen), _random_q4_0(f, d, gen),
+                                                       _random_q4_0(d, f, gen)]) for _ in range(n))
+    kernels.prepare(experts)
+    tensors, dims = [], []
+    for lin in (lin for trio in experts for lin in trio):
+        tensors += kernels.kernel_tensors(lin)
+        dims += [kernels.kernel_group(lin), lin.out_features]
+    grouped = kernels.load().MoEExperts(tensors, dims, False)
+    order = torch.randperm(n, generator=gen)
+    routes = [order[(i * k + torch.arange(k)) % n].reshape(1, k).contiguous() for i in range(n)]
+    weights, x, calls = torch.full((1, k), 1.0 / k), torch.randn(1, d), iter(range(1 << 62))
+
+    def one_token():
+        grouped(x, routes[next(calls) % n], weights)
+
+    seconds = best_time(one_token, torch.device("cpu"), 0.05 if quick else 0.2)
+    per_token = k * sum(t.numel() * t.element_size() for lin in experts[0] for t in (lin.qweight, lin.scales))
+    return {"expert_shape": dict(EXPERT_SHAPE, experts=n), "expert_bytes": per_token,
+            "expert_bandwidth": per_token / seconds}

@@ -82,6 +82,10 @@ class Hardware:
     # Bytes/s hardy's fused int4/int8 decode kernels read quantized weights at (a probe measures it on
     # a DRAM-sized matrix; they run nearer the copy rate than an fp32 GEMV); None: `decode_rate`.
     quantized_decode_bandwidth: float | None = None
+    # The same kernels' rate on a mixture of experts' active experts (small matrices, a few of many per
+    # token, csrc/moe.cpp), measured by a probe; None: `quantized_decode_bandwidth`.
+    expert_decode_bandwidth: float | None = None
+    quantized_decode_bandwidth_by_width: tuple[tuple[int, float], ...] = ()  # the kernels' rate by matrix width
     # Achieved fraction of the peak by model width (training GEMMs) and by head size (causal
     # attention forward + backward), measured by a probe; empty: `flops_efficiency` for both.
     gemm_efficiency_by_width: tuple[tuple[int, float], ...] = ()
@@ -111,11 +115,19 @@ class Hardware:
         """Weight-streaming rate of decode; with measurements by width, interpolated (in log width)
         at the model's hidden size, clamped to the measured range. `quantized`: int4/int8 weights
         through hardy's kernels, at their measured rate where a probe has it."""
+        if quantized and width is not None and self.quantized_decode_bandwidth_by_width:
+            return interpolate_log(self.quantized_decode_bandwidth_by_width, width)
         if quantized and self.quantized_decode_bandwidth:
             return self.quantized_decode_bandwidth
         if width is None or not self.decode_bandwidth_by_width:
             return self.decode_bandwidth or self.achievable_bandwidth()
         return interpolate_log(self.decode_bandwidth_by_width, width)
+
+    def expert_rate(self, width: int | None = None, quantized: bool = False) -> float:
+        """Weight-streaming rate of decode over a mixture of experts' active experts."""
+        if quantized and self.expert_decode_bandwidth:
+            return self.expert_decode_bandwidth
+        return self.decode_rate(width, quantized)
 
     def gemm_rate(self, dtype: str, width: int | None = None, forward: bool = False) -> float:
         """FLOP/s of a layer's training GEMMs at a model width (measured by a probe; otherwise the
@@ -153,6 +165,9 @@ class Hardware:
             cores=None if self.cores is None else max(1, round(self.cores * share)), devices_per_node=processes,
             elementwise_bandwidth=scaled(self.elementwise_bandwidth), decode_bandwidth=scaled(self.decode_bandwidth),
             quantized_decode_bandwidth=scaled(self.quantized_decode_bandwidth),
+            expert_decode_bandwidth=scaled(self.expert_decode_bandwidth),
+            quantized_decode_bandwidth_by_width=tuple((w, r * share)
+                                                      for w, r in self.quantized_decode_bandwidth_by_width),
             decode_bandwidth_by_width=tuple((w, r * share) for w, r in self.decode_bandwidth_by_width))
 
 
@@ -324,6 +339,8 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
         decode_bandwidth=(profile.get("gemv") or {}).get("bandwidth"),
         decode_bandwidth_by_width=_table(profile, "gemv", "bandwidth_by_width"),
         quantized_decode_bandwidth=(profile.get("quant_gemv") or {}).get("bandwidth"),
+        expert_decode_bandwidth=(profile.get("quant_gemv") or {}).get("expert_bandwidth"),
+        quantized_decode_bandwidth_by_width=_table(profile, "quant_gemv", "bandwidth_by_width"),
         # a real layer's GEMMs (all its shapes, median rate) where the profile has them; older profiles
         # have only the one-shape benchmark of a linear layer
         gemm_efficiency_by_width=(_table(profile, "layer_gemm", "efficiency_by_width")

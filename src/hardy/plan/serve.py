@@ -205,10 +205,11 @@ class ServePlan:
 
 
 def _experts(model: ModelConfig, s: Shard, devices: int, bpw: float, w_read: float, layout: WeightLayout | None):
-    """(bytes the weights a pass over `tokens` tokens reads, matmul parameters one token uses, a note
-    for the batch) — for a dense model all of them, for a mixture of experts only the experts routed to."""
+    """(bytes the weights a pass over `tokens` tokens reads, the experts' part of them, matmul
+    parameters one token uses, a note for the batch) — for a dense model all of them, for a mixture of
+    experts only the experts routed to."""
     if model.moe is None or not s.expert:
-        return (lambda tokens: w_read), s.matmul, None
+        return (lambda tokens: w_read), (lambda tokens: 0.0), s.matmul, None
     m = model.moe
     if layout is not None and layout.expert_bytes:  # the file's own bytes, this device's share
         one = layout.expert_bytes / m.n_experts * s.expert / shard(model, 1).expert
@@ -226,7 +227,10 @@ def _experts(model: ModelConfig, s: Shard, devices: int, bpw: float, w_read: flo
                 f"{distinct_experts(m.n_experts, m.top_k, batch):,.1f} distinct experts per layer at batch {batch} "
                 f"(uniform routing), {_gb(one / layers)} each per device")
 
-    return read, s.matmul - (m.n_experts - m.top_k) * s.expert, note
+    def expert_read(tokens: int) -> float:
+        return distinct_experts(m.n_experts, m.top_k, tokens) * one
+
+    return read, expert_read, s.matmul - (m.n_experts - m.top_k) * s.expert, note
 
 
 def _gb(x: float) -> str:
@@ -304,7 +308,8 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     L, dim, dh = model.n_layers, model.dim, model.d_head
 
     row_read = 0.0 if model.tie_embeddings else row_bytes  # one embedding row per sequence per token
-    weights_read, active_matmul, moe_note = _experts(model, s, devices, bpw, w_read, layout)
+    weights_read, experts_read, active_matmul, moe_note = _experts(model, s, devices, bpw, w_read, layout)
+    expert_bandwidth = hw.expert_rate(model.dim, quantized=quantized)
     kv_tok_dev = kv_bytes_per_token(model, kv_dtype, s.kv_heads)
     kv_seq_dev = kv_tok_dev * context
     usable = hw.memory_bytes * (1 - RESERVE)
@@ -330,7 +335,9 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         nbytes = weights_read(b) + b * (row_read + kv_tok_dev * avg_ctx)
         flops = b * (2 * (active_matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
         comm = 2 * L * ring_allreduce(b * dim * act_bytes, devices, link)
-        mem_s, comp_s = nbytes / decode_bandwidth, flops / flops_rate
+        expert_bytes = experts_read(b)  # active experts stream at their own (measured) rate
+        mem_s = (nbytes - expert_bytes) / decode_bandwidth + expert_bytes / expert_bandwidth
+        comp_s = flops / flops_rate
         disp = dispatch_s(hw, ops, max(mem_s, comp_s))
         return max(mem_s, comp_s) + disp + comm, mem_s, comp_s, disp, comm, nbytes, flops
 

@@ -1,0 +1,98 @@
+"""Prefill, batched decode and peak memory of a mixture-of-experts GGUF (issue 38's goals besides batch-1
+decode), alternating llama.cpp's own `llama-bench` (pp`--prompt`) with a fresh hardy process per repetition
+(`bench/big_cpu_model.py`'s worker: native load, the `--prompt`-token prefill as `hardy generate` runs it,
+then its serving step over 8 sequences and over 1).
+
+    .venv/bin/python bench/moe_shaped.py --out /tmp/q3moe12.gguf --layers 12 --type Q4_0
+    .venv/bin/python bench/moe_throughput.py --model /tmp/q3moe12.gguf --reps 5
+
+Reported: prefill tokens/s of both and their ratio per pair; hardy's batch-8 serving throughput over its
+batch-1 throughput through the same step; hardy's peak RSS over the file size plus the request's KV cache
+(fp32, as `generate` holds it by default; the batched runs come after the peak is read).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from native import LLAMA_CPP, cpu_line, fmt, llama_bench, median_ci  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def kv_bytes(path: Path, tokens: int, elem_bytes: int = 4) -> int:
+    """The KV cache of one `tokens`-long sequence, from the file's metadata."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def value(key: str) -> int:
+        return int(reader.fields[f"{arch}.{key}"].parts[-1][0])
+
+    head_dim = value("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else \
+        value("embedding_length") // value("attention.head_count")
+    return value("block_count") * 2 * value("attention.head_count_kv") * head_dim * tokens * elem_bytes
+
+
+def hardy_run(path: Path, threads: int, prompt: int, new_tokens: int, batch: int) -> dict:
+    cmd = [sys.executable, str(HERE / "big_cpu_model.py"), "--worker", "hardy", "--model", str(path),
+           "--threads", str(threads), "--prompt", str(prompt), "--new-tokens", str(new_tokens), "--batch", str(batch)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"hardy worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32, help="batch-1 tokens after the prompt; half as many steps batched")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pause", type=float, default=2.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    path = Path(args.model)
+    if not path.is_file():
+        raise SystemExit(f"no such file: {path}")
+    size = path.stat().st_size
+    kv = kv_bytes(path, args.prompt + args.new_tokens)
+    theirs, runs = [], []
+    for rep in range(args.reps):
+        time.sleep(args.pause)
+        theirs += llama_bench(path, args.threads, prompt=args.prompt, gen=0)
+        time.sleep(args.pause)
+        r = hardy_run(path, args.threads, args.prompt, args.new_tokens, args.batch)
+        r["prefill_tps"] = args.prompt / r["ttft_s"]
+        runs.append(r)
+        print(f"rep {rep + 1}: prefill llama.cpp {theirs[-1]:.1f}  hardy {r['prefill_tps']:.1f} tokens/s; hardy "
+              f"batch {args.batch} {r['batch_tps']:.1f}, batch 1 {r['batch1_step_tps']:.1f} tokens/s; "
+              f"peak RSS {r['peak_rss'] / 2 ** 30:.2f} GiB", flush=True)
+    ours = [r["prefill_tps"] for r in runs]
+    gain = median_ci([r["batch_tps"] / r["batch1_step_tps"] for r in runs])
+    rss = median_ci([r["peak_rss"] / (size + kv) for r in runs])
+    print(f"\n{path.name} ({size / 2 ** 30:.2f} GiB), {args.threads} threads, {cpu_line()}; {LLAMA_CPP}")
+    print("| measure | median [95% interval] |\n|---|---|")
+    print(f"| llama-bench pp{args.prompt}, tokens/s | {fmt(*median_ci(theirs))} |")
+    print(f"| hardy prefill of {args.prompt} tokens, tokens/s | {fmt(*median_ci(ours))} |")
+    print(f"| prefill ratio hardy / llama.cpp, per pair | {fmt(*median_ci([a / b for a, b in zip(ours, theirs)]), digits=2)} |")
+    print(f"| hardy batch {args.batch}, tokens/s (all sequences) | {fmt(*median_ci([r['batch_tps'] for r in runs]))} |")
+    print(f"| hardy batch 1 (same serving step), tokens/s | {fmt(*median_ci([r['batch1_step_tps'] for r in runs]))} |")
+    print(f"| batch {args.batch} / batch 1 throughput | {fmt(*gain, digits=2)} |")
+    print(f"| hardy peak RSS / (file + {kv / 2 ** 20:.0f} MiB fp32 KV) | {fmt(*rss, digits=3)} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"file": str(path), "bytes": size, "kv_bytes": kv, "threads": args.threads,
+                                               "llama_bench_pp": theirs, "hardy": runs, "cpu": cpu_line(),
+                                               "llama_cpp_build": LLAMA_CPP}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
