@@ -25,19 +25,12 @@ from native import LLAMA_CPP, cpu_line, fmt, llama_bench, median_ci  # noqa: E40
 HERE = Path(__file__).resolve().parent
 
 
-def kv_bytes(path: Path, tokens: int, elem_bytes: int = 4) -> int:
-    """The KV cache of one `tokens`-long sequence, from the file's metadata."""
-    import gguf
+def kv_bytes(path: Path, tokens: int) -> int:
+    """The fp32 KV cache of one `tokens`-long sequence, from the file's metadata."""
+    from hardy.formats.gguf_io import open_gguf, read_config
+    from hardy.plan.serve import kv_bytes_per_token
 
-    reader = gguf.GGUFReader(str(path))
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-
-    def value(key: str) -> int:
-        return int(reader.fields[f"{arch}.{key}"].parts[-1][0])
-
-    head_dim = value("attention.key_length") if f"{arch}.attention.key_length" in reader.fields else \
-        value("embedding_length") // value("attention.head_count")
-    return value("block_count") * 2 * value("attention.head_count_kv") * head_dim * tokens * elem_bytes
+    return round(kv_bytes_per_token(read_config(open_gguf(path), path), "fp32") * tokens)
 
 
 def hardy_run(path: Path, threads: int, prompt: int, new_tokens: int, batch: int) -> dict:

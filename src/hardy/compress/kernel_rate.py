@@ -4,6 +4,8 @@ grouped experts (small matrices, a few of many per token). Here, not in ops/, be
 layers and kernels; the probe is handed this function by the command line."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hardy.compress import kernels
@@ -63,14 +65,10 @@ def measure_expert_gemv(quick: bool) -> dict:
     experts = torch.nn.ModuleList(torch.nn.ModuleList([_random_q4_0(f, d, gen), _random_q4_0(f, d, gen),
                                                        _random_q4_0(d, f, gen)]) for _ in range(n))
     kernels.prepare(experts)
-    tensors, dims = [], []
-    for lin in (lin for trio in experts for lin in trio):
-        tensors += kernels.kernel_tensors(lin)
-        dims += [kernels.kernel_group(lin), lin.out_features]
-    grouped = kernels.load().MoEExperts(tensors, dims, False)
+    grouped = kernels.experts_kernel(kernels.load(), [lin for trio in experts for lin in trio], gelu=False)
     order = torch.randperm(n, generator=gen)
     routes = [order[(i * k + torch.arange(k)) % n].reshape(1, k).contiguous() for i in range(n)]
-    weights, x, calls = torch.full((1, k), 1.0 / k), torch.randn(1, d), iter(range(1 << 62))
+    weights, x, calls = torch.full((1, k), 1.0 / k), torch.randn(1, d), itertools.count()
 
     def one_token():
         grouped(x, routes[next(calls) % n], weights)

@@ -149,12 +149,18 @@ def grouped_experts(block: MoE, module):
     linears = [lin for expert in block.experts for lin in (expert.w1, expert.w3, expert.w2)]
     if not all(isinstance(lin, QuantLinear) and lin.kernel is not None and lin.bias is None for lin in linears):
         return None
+    stack = experts_kernel(module, linears, block.experts[0].act == "gelu_tanh")
+    return lambda x, weights, experts: stack(x, experts, weights)
+
+
+def experts_kernel(module, linears: list, gelu: bool):
+    """The extension's MoEExperts over prepared layers given as each expert's gate, up and down in
+    turn: called (x [T, D], experts [T, k] int64, weights [T, k]) -> [T, D]."""
     tensors, dims = [], []
     for lin in linears:
         tensors += kernel_tensors(lin)
         dims += [kernel_group(lin), lin.out_features]
-    stack = module.MoEExperts(tensors, dims, block.experts[0].act == "gelu_tanh")
-    return lambda x, weights, experts: stack(x, experts, weights)
+    return module.MoEExperts(tensors, dims, gelu)
 
 
 if __name__ == "__main__":

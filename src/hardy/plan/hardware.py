@@ -83,7 +83,7 @@ class Hardware:
     # a DRAM-sized matrix; they run nearer the copy rate than an fp32 GEMV); None: `decode_rate`.
     quantized_decode_bandwidth: float | None = None
     # The same kernels' rate on a mixture of experts' active experts (small matrices, a few of many per
-    # token, csrc/moe.cpp), measured by a probe; None: `quantized_decode_bandwidth`.
+    # token, csrc/moe.cpp), measured by a probe; None: `decode_rate`'s.
     expert_decode_bandwidth: float | None = None
     quantized_decode_bandwidth_by_width: tuple[tuple[int, float], ...] = ()  # the kernels' rate by matrix width
     # Achieved fraction of the peak by model width (training GEMMs) and by head size (causal
