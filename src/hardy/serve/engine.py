@@ -252,8 +252,8 @@ class Engine:
         if not stop:
             req.events.put(("token", token))
         if stop or len(req.tokens) >= req.sampling.max_new_tokens:
+            self._free(slot_index)  # before the client hears "done": a scrape after its answer sees the slot free
             req.events.put(("done", "stop" if stop else "length"))
-            self._free(slot_index)
             return True
         return False
 
