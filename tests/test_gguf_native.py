@@ -333,3 +333,46 @@ def test_the_planners_file_layout_is_what_a_native_load_holds(mini_ggufs, qtype)
                if not name.startswith("rope_"))
     assert layout.quantized and layout.types.startswith(qtype)
     assert held == pytest.approx(layout.total, rel=0.01), (held, layout)
+
+
+@pytest.mark.parametrize("type_name,half_offsets", [("Q4_0", (0,)), ("Q4_1", (0, 2)), ("Q8_0", (0,)),
+                                                    ("Q4_K", (0, 2)), ("Q6_K", (208,))])
+def test_a_matrix_converted_in_parts_equals_it_converted_at_once(monkeypatch, type_name, half_offsets):
+    """A large matrix is converted a few rows at a time (to bound load-time memory): the stored tensors
+    equal the one-part conversion for a row count that is not a multiple of 8, in file order and with
+    the q/k rows reordered; in file order each part's rows are mapped before and dropped after it is
+    converted, and every row is dropped once; reordered rows are all mapped up front."""
+    from hardy.compress import kernels
+    from hardy.formats import gguf_quant
+
+    if kernels.load() is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+
+    class Pages:  # records what the converter asks to map and drop
+        def __init__(self):
+            self.calls = []
+
+        def prefetch(self, r0, r1):
+            self.calls.append(("prefetch", r0, r1))
+
+        def release(self, r0, r1):
+            self.calls.append(("release", r0, r1))
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    t = _fake_tensor(qtype, 36, _random_blocks(qtype, 36, 512, half_offsets, seed=7))
+    row_bytes = t.data.shape[1]
+    whole = {h: packed_from_gguf(t, h, converter=kernels.load()) for h in (None, 2)}
+    monkeypatch.setattr(gguf_quant, "CONVERT_PART_BYTES", 16 * row_bytes)  # 16 rows a part: 3 parts
+    for heads in (None, 2):
+        pages = Pages()
+        parts = packed_from_gguf(t, heads, converter=kernels.load(), pages=pages)
+        assert parts.shape == whole[heads].shape == (36, 512) and parts.spec == whole[heads].spec
+        assert set(parts.stored()) == set(whole[heads].stored())
+        for name, tensor in whole[heads].stored().items():
+            assert torch.equal(parts.stored()[name], tensor), (heads, name)
+        if heads is None:
+            assert pages.calls == [(op, r0, min(36, r0 + 16)) for r0 in (0, 16, 32)
+                                   for op in ("prefetch", "release")]
+        else:
+            assert pages.calls == [("prefetch", 0, 36)]
+    assert not torch.equal(whole[None].stored()["qweight"], whole[2].stored()["qweight"])

@@ -168,8 +168,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
         for t, ours in tensors:
             heads = qk_heads(cfg, fields["general.architecture"], ours)
             if is_quantized(t):
-                reader.prefetch(t)
-                q = packed_from_gguf(t, heads, tp_slices(ours) if tp_slices else None, converter)
+                q = packed_from_gguf(t, heads, tp_slices(ours) if tp_slices else None, converter, reader.rows(t))
                 check_unpacks(q, f"{path}: {t.name}")
                 quantized[ours] = q
                 types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1

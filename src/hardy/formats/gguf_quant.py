@@ -181,13 +181,21 @@ def conversion(type_name: str) -> str:
     return EXACT.get(type_name, "re-quantized to int8 g32")
 
 
+# A large matrix is converted this many bytes of the file at a time, each part's mapped pages dropped
+# once it is written (`pages`): loading then holds the converted tensor and one part of the file, not
+# the whole file tensor as well (a 151,936 x 2048 Q4_0 LM head: 175 MB more peak RSS otherwise).
+CONVERT_PART_BYTES = 16 << 20
+
+
 def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
-                      converter=None) -> PackedQuant | None:
+                      converter=None, pages=None) -> PackedQuant | None:
     """Q4_0/Q4_1/Q8_0/Q4_K/Q6_K straight into the kernels' tiled layout, rows reordered on the way,
     by the kernels extension (`converter`: hardy.compress.kernels.load(), passed in by the loader, which
     sits above both); None where it is not given or not built (then the numpy path). `order`:
     the source row of each output row (fewer than the file's for a colwise rank); `tp` rowwise: only
-    that rank's input columns are read."""
+    that rank's input columns are read. `pages` (hardy.formats.gguf_reader.TensorRows): the file rows'
+    pages are mapped before each part is read and dropped after it is written, where parts are read in
+    file order; otherwise all of them up front."""
     name = t.tensor_type.name
     module = converter if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else None
     if module is None:
@@ -195,28 +203,50 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
     values, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
                            "Q6_K": (256, 210)}[name]
     blocks, rows, cols = _blocks(t, values, block_bytes)
+    in_file_order = order is None and not (tp is not None and tp.kind == "rowwise")
+    if pages is not None and not in_file_order:
+        pages.prefetch(0, rows)
     if tp is not None and tp.kind == "rowwise":  # whole blocks of this rank's columns, copied out of the map
         b0, b1 = _column_blocks(t, tp, cols, values)
         blocks, cols = np.ascontiguousarray(blocks[:, b0:b1]), (b1 - b0) * values
     with warnings.catch_warnings():  # a read-only view of the mapped file: read, never written
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(blocks.reshape(rows, -1))
-    out_rows = rows if order is None else order.numel()
-    if name == "Q6_K":  # re-quantized to int8 g32 (the table above): only the rows wanted, in their order
-        codes, scales = module.q6k_to_tiled(raw if order is None else raw[order].contiguous())
-        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (out_rows, cols), tiled=True)
-    rows = out_rows
     order = torch.arange(rows) if order is None else order
+    spec = {"Q6_K": INT8_G32, "Q4_K": INT4_G32, "Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[name]
+    n_out = order.numel()
+    step = max(8, CONVERT_PART_BYTES // max(1, raw.shape[1]) // 8 * 8)  # whole tiles of 8 rows per part
+    parts = None
+    for r0 in range(0, n_out, step):
+        r1 = min(n_out, r0 + step)
+        if pages is not None and in_file_order:
+            pages.prefetch(r0, r1)
+        part = _convert_rows(module, name, raw, order[r0:r1])
+        if r0 == 0 and r1 == n_out:
+            parts = part
+        else:  # each tensor's first dimension counts tiles of 8 rows (qweight: 8 entries per tile)
+            per_tile = [p.shape[0] // -(-(r1 - r0) // 8) for p in part]
+            if parts is None:
+                parts = [torch.empty((-(-n_out // 8) * k,) + tuple(p.shape[1:]), dtype=p.dtype)
+                         for p, k in zip(part, per_tile)]
+            for whole, p, k in zip(parts, part, per_tile):
+                whole[r0 // 8 * k:r0 // 8 * k + p.shape[0]].copy_(p)
+        if pages is not None and in_file_order:
+            pages.release(r0, r1)
+    keys = ("qweight", "scales", "mins")[:len(parts)]
+    return PackedQuant(dict(zip(keys, parts)), spec, (n_out, cols), tiled=True)
+
+
+def _convert_rows(module, name: str, raw: torch.Tensor, order: torch.Tensor) -> list[torch.Tensor]:
+    """The converter's tensors (qweight, scales[, mins]) for the file's rows `order`, in that order."""
+    if name == "Q6_K":  # re-quantized to int8 g32 (the table above): only the rows wanted, in their order
+        return list(module.q6k_to_tiled(raw[order].contiguous()))
     if name == "Q4_K":
-        q, scales, mins = module.q4k_to_tiled(raw, order)
-        return PackedQuant({"qweight": q, "scales": scales, "mins": mins}, INT4_G32, (rows, cols), tiled=True)
+        return list(module.q4k_to_tiled(raw, order))
     if name == "Q8_0":
-        codes, scales = module.q8_gguf_to_tiled(raw, order)
-        return PackedQuant({"qweight": codes, "scales": scales}, INT8_G32, (rows, cols), tiled=True)
+        return list(module.q8_gguf_to_tiled(raw, order))
     q, scales, mins = module.q4_gguf_to_tiled(raw, name == "Q4_1", order)
-    if name == "Q4_0":  # the symmetric grid: no mins (the extension returns an empty tensor)
-        return PackedQuant({"qweight": q, "scales": scales}, INT4_SYM_G32, (rows, cols), tiled=True)
-    return PackedQuant({"qweight": q, "scales": scales, "mins": mins}, INT4_G32, (rows, cols), tiled=True)
+    return [q, scales] if name == "Q4_0" else [q, scales, mins]  # Q4_0: the symmetric grid has no mins
 
 
 def _column_blocks(t, tp: TPSlice, cols: int, values: int) -> tuple[int, int]:
@@ -228,11 +258,13 @@ def _column_blocks(t, tp: TPSlice, cols: int, values: int) -> tuple[int, int]:
     return c0 // values, c1 // values
 
 
-def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None, converter=None) -> PackedQuant:
+def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None, converter=None,
+                     pages=None) -> PackedQuant:
     """One quantized 2-D GGUF tensor as hardy's packed format; `heads`: undo llama.cpp's q/k row
     permutation (hardy.formats.names.unpermute_qk) on the way; `tp`: read only one tensor-parallel
     rank's rows (colwise) or columns (rowwise) of it — the rest of the file is never touched;
-    `converter`: the compiled converters (see `_converted_in_cpp`), else numpy."""
+    `converter`: the compiled converters (see `_converted_in_cpp`), else numpy; `pages`: the tensor's
+    hardy.formats.gguf_reader.TensorRows, to map its pages ahead of reading (and drop them as it goes)."""
     rows = int(np.prod([int(d) for d in t.shape[1:]]))
     order = None
     if heads:
@@ -243,8 +275,10 @@ def packed_from_gguf(t, heads: int | None = None, tp: TPSlice | None = None, con
                              f"{tp.parts} processes")
         r0, r1 = tp.span(rows)
         order = (torch.arange(rows) if order is None else order)[r0:r1]
-    fast = _converted_in_cpp(t, order, tp, converter)
+    fast = _converted_in_cpp(t, order, tp, converter, pages)
     if fast is None:
+        if pages is not None:
+            pages.prefetch(0, rows)
         fast = _packed_in_file_order(t)
         if tp is not None and tp.kind == "rowwise":
             fast = _column_slice(fast, t, tp)

@@ -45,6 +45,22 @@ class TensorInfo:
     data: np.ndarray  # a view of the memory map: values (float/int types) or [rows..., row bytes]
 
 
+class TensorRows:
+    """A matrix's mapped pages by rows, for a converter that reads it in parts: each part's pages
+    mapped before it is read and dropped after it is written, so a large matrix never holds all of
+    its file pages and its converted copy at once."""
+
+    def __init__(self, reader: "GGUFFile", t: TensorInfo):
+        self.reader, self.t = reader, t
+        self.row_bytes = t.n_bytes // max(1, int(np.prod([int(d) for d in t.shape[1:]])))
+
+    def prefetch(self, r0: int, r1: int) -> None:
+        self.reader.prefetch(self.t, r0 * self.row_bytes, r1 * self.row_bytes)
+
+    def release(self, r0: int, r1: int) -> None:
+        self.reader.release(self.t, r0 * self.row_bytes, r1 * self.row_bytes)
+
+
 class _Cursor:
     def __init__(self, buf, path: Path):
         self.buf, self.pos, self.path = buf, 0, path
@@ -170,31 +186,41 @@ class GGUFFile:
                                  f"alignment {alignment}")
         self.tensors = [self._tensor(gguf, start, *info) for info in infos]
 
-    def prefetch(self, t: TensorInfo) -> None:
-        """Map a tensor's pages in one call before it is read (MADV_POPULATE_READ, Linux 5.14+), instead
-        of one page fault per 4 KB; where the kernel lacks it, reading faults them in as before."""
+    def prefetch(self, t: TensorInfo, begin: int = 0, end: int | None = None) -> None:
+        """Map a tensor's pages (or those of its bytes [begin, end)) in one call before they are read
+        (MADV_POPULATE_READ, Linux 5.14+), instead of one page fault per 4 KB; where the kernel lacks
+        it, reading faults them in as before."""
         raw = getattr(self.mmap, "_mmap", None)
         if raw is None or not hasattr(raw, "madvise"):
             return
-        begin, length = self._pages(t)
+        first, length = self._pages(t, begin, end)
         try:
-            raw.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), begin, length)
+            if length:
+                raw.madvise(getattr(mmap, "MADV_POPULATE_READ", 22), first, length)
         except OSError:
             pass
 
-    def _pages(self, t: TensorInfo) -> tuple[int, int]:
-        page = mmap.PAGESIZE
-        begin = t.data_offset // page * page
-        end = min(len(self.mmap), -(-(t.data_offset + t.n_bytes) // page) * page)
-        return begin, end - begin
+    def rows(self, t: TensorInfo) -> "TensorRows":
+        return TensorRows(self, t)
 
-    def release(self, t: TensorInfo) -> None:
-        """Drop a tensor's pages from this process once it has been copied out (they stay in the page
-        cache): a loader that re-lays tensor by tensor then holds one copy of the weights, not two."""
+    def _pages(self, t: TensorInfo, begin: int = 0, end: int | None = None) -> tuple[int, int]:
+        """The whole pages holding bytes [begin, end) of the tensor's data (all of it by default)."""
+        page = mmap.PAGESIZE
+        first = (t.data_offset + begin) // page * page
+        last = min(len(self.mmap), -(-(t.data_offset + (t.n_bytes if end is None else end)) // page) * page)
+        return first, max(0, last - first)
+
+    def release(self, t: TensorInfo, begin: int = 0, end: int | None = None) -> None:
+        """Drop a tensor's pages (or those of its bytes [begin, end)) from this process once they have
+        been copied out (they stay in the page cache): a loader that re-lays tensor by tensor then
+        holds one copy of the weights, not two. A page shared with a neighbour's bytes is dropped too:
+        it is read back from the page cache if touched again."""
         raw = getattr(self.mmap, "_mmap", None)
         if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        raw.madvise(mmap.MADV_DONTNEED, *self._pages(t))
+        first, length = self._pages(t, begin, end)
+        if length:
+            raw.madvise(mmap.MADV_DONTNEED, first, length)
 
     def _tensor(self, gguf, start: int, name: str, dims: list[int], qtype, offset: int) -> TensorInfo:
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]

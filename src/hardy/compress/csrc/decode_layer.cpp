@@ -152,6 +152,12 @@ void attention_any(const Step& s, int64_t l, int64_t H, int64_t window, int tid,
   else attention<KVType::F32>(s, l, H, window, tid, n);
 }
 
+// This thread's whole blocks of 32 of `blocks` contiguous ones quantized (blocks are independent).
+void quantize_share(const float* x, int64_t blocks, int8_t* codes, float* scales, float* sums, int tid, int n) {
+  const int64_t b0 = blocks * tid / n, b1 = blocks * (tid + 1) / n;
+  if (b1 > b0) quantize_rows(x + b0 * QK, 1, (b1 - b0) * QK, codes + b0 * QK, scales + b0, sums + b0);
+}
+
 inline float gelu_tanh(float g) {
   const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi)
   return 0.5f * g * (1.f + std::tanh(inner));
@@ -164,8 +170,7 @@ void gated_quantized(const Step& s, int64_t F, int tid, int n) {
     const float g = s.gate[i];
     s.gate[i] = (s.gelu ? gelu_tanh(g) : g / (1.f + std::exp(-g))) * s.up[i];
   }
-  if (b1 > b0)
-    quantize_rows(s.gate + b0 * QK, 1, (b1 - b0) * QK, s.codes + b0 * QK, s.block_scales + b0, s.block_sums + b0);
+  quantize_share(s.gate, blocks, s.codes, s.block_scales, s.block_sums, tid, n);
 }
 
 // --- mixture-of-experts blocks --------------------------------------------------------------------
@@ -254,8 +259,7 @@ void expert_activation(const Step& s, int64_t R, int64_t F, int tid, int n) {
     const float g = s.moe_gate[i];
     s.moe_gate[i] = (s.gelu ? gelu_tanh(g) : g / (1.f + std::exp(-g))) * s.moe_up[i];
   }
-  if (b1 > b0)
-    quantize_rows(s.moe_gate + b0 * QK, 1, (b1 - b0) * QK, s.mid_codes + b0 * QK, s.mid_scales + b0, s.mid_sums + b0);
+  quantize_share(s.moe_gate, blocks, s.mid_codes, s.mid_scales, s.mid_sums, tid, n);
 }
 
 // Thread 0: each row's weighted sum of its experts' outputs into proj, in expert order (as the module
@@ -323,7 +327,7 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
     barrier();
     attention_any(s, l, H, e.window, tid, n);
     barrier();
-    if (tid == 0) quantize_rows(s.attn, B, M[3].K, s.codes, s.block_scales, s.block_sums);
+    quantize_share(s.attn, B * M[3].K / QK, s.codes, s.block_scales, s.block_sums, tid, n);
     barrier();
     products(s, M + 3, 1, &s.proj, tid, n);
     barrier();
