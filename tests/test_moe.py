@@ -335,9 +335,10 @@ def test_grouped_expert_kernel_refuses_bad_routes(ggufs, tmp_path):
         block.grouped(x, torch.ones(2, 3), torch.tensor([[0, 1, 12], [0, 1, 2]]))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_path, family):
-    """Decode through the C++ block stack (router, top-k, grouped experts inside it) against the modules
+    """Decode through the C++ block stack (router, top-k, grouped experts inside it; Qwen2-MoE's shared
+    expert and its sigmoid gate too, and without the gate as Llama 4 has it) against the modules
     (each block's attention and MoE block in PyTorch, the experts' own kernels): batched rows at their
     own positions, and the same greedy tokens. An fp32 cache: the two paths' keys differ in the last
     fp32 bit, which a bf16 cache can round one bf16 step apart, and a route may follow it."""
@@ -353,6 +354,14 @@ def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_pat
     fused = _batched_decode(model, prompts, lengths, True, torch.float32)
     modules = _batched_decode(model, prompts, lengths, False, torch.float32)
     assert (fused - modules).norm() / modules.norm() < 1e-5
+    if family == "qwen2_moe":  # the shared expert added unscaled: a different sum, still the modules'
+        for block in model.layers:
+            block.feed_forward.shared_gate = None
+        model._fused_decode = False  # built again for the changed blocks
+        assert fused_blocks(model) is not None
+        ungated = _batched_decode(model, prompts, lengths, True, torch.float32)
+        assert (ungated - _batched_decode(model, prompts, lengths, False, torch.float32)).norm() / ungated.norm() < 1e-5
+        assert (ungated - fused).norm() / fused.norm() > 1e-3
     prompt = list(range(5, 20))
     with torch.inference_mode():
         fast = generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens

@@ -27,23 +27,35 @@ BIASED = ("attention.wq", "attention.wk", "attention.wv")
 
 def _linears(block) -> list[str] | None:
     """The block's linears in the stack's order: q, k, v, o, then the MLP's gate, up, down or each
-    expert's in turn; None for an MoE block the stack does not compute (a shared expert, a float router)."""
+    expert's in turn (then the shared expert's); None for an MoE block the stack does not compute (a
+    float or non-softmax router, a shared expert's gate that is not a float32 linear)."""
     ffn = block.feed_forward
     if not isinstance(ffn, MoE):
         return list(BLOCK_LINEARS)
-    if ffn.shared is not None or not isinstance(ffn.router, torch.nn.Linear) or ffn.router.weight.dtype != torch.float32 \
-            or ffn.moe.router != "softmax_topk" or ffn.moe.top_k > 64:
+    if not _float_linear(ffn.router) or ffn.moe.router != "softmax_topk" or ffn.moe.top_k > 64 \
+            or (ffn.shared_gate is not None and not _float_linear(ffn.shared_gate)):
         return None
+    shared = [f"feed_forward.shared.{w}" for w in ("w1", "w3", "w2")] if ffn.shared is not None else []
     return list(BLOCK_LINEARS[:4]) + [f"feed_forward.experts.{e}.{w}" for e in range(len(ffn.experts))
-                                      for w in ("w1", "w3", "w2")]
+                                      for w in ("w1", "w3", "w2")] + shared
+
+
+def _float_linear(layer) -> bool:
+    return isinstance(layer, torch.nn.Linear) and layer.weight.dtype == torch.float32 and layer.bias is None
 
 
 def _moe_args(block) -> tuple[torch.Tensor, list[int]]:
-    """(router, [experts, top k, renormalize]) of a block: an empty router and zeros for a dense one."""
+    """(router, [experts, top k, renormalize, shared expert]) of a block: an empty router and zeros for
+    a dense one. The shared expert: 0 none, 1 added as it is, 2 scaled by sigmoid(gate · x), the
+    gate's row then below the router's."""
     ffn = block.feed_forward
     if not isinstance(ffn, MoE):
-        return _NONE, [0, 0, 0]
-    return ffn.router.weight.detach().contiguous(), [ffn.moe.n_experts, ffn.moe.top_k, int(ffn.moe.norm_topk_prob)]
+        return _NONE, [0, 0, 0, 0]
+    router = ffn.router.weight.detach()
+    shared = 0 if ffn.shared is None else 1 if ffn.shared_gate is None else 2
+    if shared == 2:
+        router = torch.cat([router, ffn.shared_gate.weight.detach()])
+    return router.contiguous(), [ffn.moe.n_experts, ffn.moe.top_k, int(ffn.moe.norm_topk_prob), shared]
 
 
 def _block_args(block) -> tuple[list[torch.Tensor], list[int]] | None:

@@ -280,6 +280,28 @@ void expert_sum(const Step& s, int64_t k) {
   }
 }
 
+// A shared expert every row goes through (Qwen2-MoE), after the routed experts' sum is in proj: its
+// gate and up products on the FFN input (still in the Step's codes), the gated activation, the down
+// product into attn (free until the next block), then proj += sigmoid(gate · h) · shared on thread 0
+// (`gated`: the gate row G [D]; else the shared expert's output is added unscaled).
+void shared_expert(const Step& s, const QMatrix* X, const float* G, bool gated, int tid, int n) {
+  float* gate_up[2] = {s.gate, s.up};
+  products(s, X, 2, gate_up, tid, n);
+  barrier();
+  gated_quantized(s, X[0].rows, tid, n);
+  barrier();
+  products(s, X + 2, 1, &s.attn, tid, n);
+  barrier();
+  if (tid == 0)
+    for (int64_t b = 0; b < s.B; ++b) {
+      const float g = gated ? 1.f / (1.f + std::exp(-kv_dot<KVType::F32>(G, s.h + b * s.D, s.D))) : 1.f;
+      float* y = s.proj + b * s.D;
+      const float* z = s.attn + b * s.D;
+      for (int64_t i = 0; i < s.D; ++i) y[i] += g * z[i];
+    }
+  barrier();
+}
+
 // After the q/k/v products (thread 0): biases, per-head norms, rotary embedding, the cache write.
 void prepare_attention(const Step& s, int64_t l, int64_t H) {
   const BlockExtras& e = s.extras[l];
@@ -312,7 +334,7 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
   for (int64_t l = 0; l < L; ++l) {
     const QMatrix* M = st.mats.data() + st.first_mat[l];
     const BlockExtras& e = s.extras[l];
-    const int64_t experts = st.moe[3 * l];
+    const int64_t experts = st.moe[4 * l];
     const int64_t H = M[0].rows / s.hd, F = M[4].rows;
     if (tid == 0) {
       if (l > 0) residual(s, s.extras[l - 1].post_ffn);  // the previous block's FFN residual
@@ -338,10 +360,10 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
     }
     barrier();
     if (experts > 0) {
-      const int64_t k = st.moe[3 * l + 1];
+      const int64_t k = st.moe[4 * l + 1];
       router_logits(s, st.routers[l].data_ptr<float>(), experts, tid, n);
       barrier();
-      if (tid == 0) route_and_group(s, experts, k, st.moe[3 * l + 2] != 0);
+      if (tid == 0) route_and_group(s, experts, k, st.moe[4 * l + 2] != 0);
       barrier();
       expert_products(s, M + 4, experts, false, tid, n);
       barrier();
@@ -351,6 +373,8 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
       barrier();
       if (tid == 0) expert_sum(s, k);
       barrier();
+      if (st.moe[4 * l + 3]) shared_expert(s, M + 4 + 3 * experts, st.routers[l].data_ptr<float>() + experts * D,
+                                           st.moe[4 * l + 3] == 2, tid, n);
       continue;
     }
     float* gate_up[2] = {s.gate, s.up};
@@ -363,6 +387,10 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
   }
   if (tid == 0 && L > 0) residual(s, s.extras[L - 1].post_ffn);
 }
+
+// A block's quantized matrices: q, k, v, o, then the MLP's three or every expert's three (and the
+// shared expert's three); `m`: the block's four MoE numbers.
+int64_t block_matrices(const int64_t* m) { return m[0] ? 4 + 3 * m[0] + (m[3] ? 3 : 0) : 7; }
 
 const float* optional_weight(const at::Tensor& t, int64_t size, const char* what) {
   if (!t.defined() || t.numel() == 0) return nullptr;
@@ -382,15 +410,17 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor>
       scale(scale_), softcap(softcap_), routers(std::move(routers_)), moe(std::move(moe_)) {
   const size_t L = norms.size() / 4;
   TORCH_CHECK(norms.size() == 4 * L && extras.size() == 5 * L && windows.size() == L && local.size() == L &&
-              routers.size() == L && moe.size() == 3 * L,
+              routers.size() == L && moe.size() == 4 * L,
               "per block: four norms (two may be empty), five optional extras, a window, a router (may be empty), "
-              "three MoE numbers");
+              "four MoE numbers");
   size_t total = 0;
   for (size_t l = 0; l < L; ++l) {
-    TORCH_CHECK(moe[3 * l] >= 0 && (moe[3 * l] == 0 || (moe[3 * l + 1] > 0 && moe[3 * l + 1] <= moe[3 * l] &&
-                                                         moe[3 * l + 1] <= 64)), "experts >= 0, 1 <= top k <= min(experts, 64)");
+    const int64_t* m = moe.data() + 4 * l;
+    TORCH_CHECK(m[0] >= 0 && (m[0] == 0 || (m[1] > 0 && m[1] <= m[0] && m[1] <= 64)) && m[3] >= 0 && m[3] <= 2 &&
+                (m[0] > 0 || m[3] == 0), "experts >= 0, 1 <= top k <= min(experts, 64), a shared expert "
+                "(0: none, 1: ungated, 2: gated) only in a mixture-of-experts block");
     first_mat.push_back(total);
-    total += moe[3 * l] ? 4 + 3 * moe[3 * l] : 7;
+    total += block_matrices(m);
   }
   TORCH_CHECK(w.size() == 3 * total && dims.size() == 2 * total,
               "per block: q, k, v, o and the MLP's or every expert's gate, up and down (three tensors, two sizes each)");
@@ -400,7 +430,7 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor>
   for (size_t i = 0; i < total; ++i) mats.push_back(quantized_matrix(w[3 * i], w[3 * i + 1], w[3 * i + 2], dims[2 * i], dims[2 * i + 1]));
   for (size_t l = 0; l < L; ++l) {
     const QMatrix* M = mats.data() + first_mat[l];
-    const int64_t D = M[0].K, hd = head_dim, E = moe[3 * l];
+    const int64_t D = M[0].K, hd = head_dim, E = moe[4 * l], shared = moe[4 * l + 3];
     TORCH_CHECK(M[1].K == D && M[2].K == D && M[0].rows % hd == 0 && M[1].rows % hd == 0 &&
                 M[1].rows == M[2].rows && M[3].K == M[0].rows && M[3].rows == D && (l == 0 || D == mats[0].K),
                 "a block's attention matrices do not fit together (q, k, v, o)");
@@ -410,9 +440,15 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> norms_, std::vector<at::Tensor>
                   M[4].rows % QK == 0 && X[2].K == M[4].rows && X[2].rows == D,
                   "a block's MLP or expert matrices do not fit together (gate, up, down)");
     }
+    if (shared) {
+      const QMatrix* X = M + 4 + 3 * E;
+      TORCH_CHECK(X[0].K == D && X[1].K == D && X[1].rows == X[0].rows && X[0].rows % QK == 0 && X[2].K == X[0].rows &&
+                  X[2].rows == D, "a block's shared expert matrices do not fit together (gate, up, down)");
+    }
     if (E > 0)
       TORCH_CHECK(routers[l].scalar_type() == at::kFloat && routers[l].is_contiguous() && routers[l].dim() == 2 &&
-                  routers[l].size(0) == E && routers[l].size(1) == D, "a router: contiguous float32 [experts, D]");
+                  routers[l].size(0) == E + (shared == 2) && routers[l].size(1) == D,
+                  "a router: contiguous float32 [experts (+ 1: the shared expert's gate), D]");
     BlockExtras e;
     for (int j = 0; j < 2; ++j)
       TORCH_CHECK(optional_weight(norms[4 * l + j], D, "a block's norm"), "a block's attention and FFN norms");
@@ -465,14 +501,15 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   int64_t widest = D, groups = 1, kv_max = 0, experts = 0, top_k = 0, expert_ffn = QK;
   for (int64_t l = 0; l < L; ++l) {
     const QMatrix* M = mats.data() + first_mat[l];
-    const int64_t count = moe[3 * l] ? 4 + 3 * moe[3 * l] : 7;
+    const int64_t count = block_matrices(moe.data() + 4 * l);
     TORCH_CHECK(M[1].rows == KVH * hd && (M[0].rows / hd) % KVH == 0, "head counts do not match the KV pool");
     widest = std::max({widest, M[0].rows, M[4].rows});
+    if (moe[4 * l + 3]) widest = std::max(widest, M[count - 3].rows);  // the shared expert's width
     kv_max = std::max(kv_max, M[1].rows);
     for (int64_t j = 0; j < count; ++j) groups = std::max(groups, M[j].groups);
-    if (moe[3 * l]) {
-      experts = std::max(experts, moe[3 * l]);
-      top_k = std::max(top_k, moe[3 * l + 1]);
+    if (moe[4 * l]) {
+      experts = std::max(experts, moe[4 * l]);
+      top_k = std::max(top_k, moe[4 * l + 1]);
       expert_ffn = std::max(expert_ffn, M[4].rows);
     }
   }

@@ -96,17 +96,20 @@ struct DecodeStack {
               double scale, double softcap);
   at::Tensor operator()(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor cos_local,
                         at::Tensor sin_local, at::Tensor pool, at::Tensor table) const;
-  std::vector<at::Tensor> norms, w;  // per block: attention, FFN, post-attention, post-FFN norm; (4 + 3 x (experts or 1)) x (qweight, scales, mins)
-  std::vector<int64_t> dims;         // per block: (4 + 3 x (experts or 1)) x (group, rows)
+  std::vector<at::Tensor> norms, w;  // per block: attention, FFN, post-attention, post-FFN norm; (4 + 3 x (experts or 1)
+                                     // [+ 3: a shared expert]) x (qweight, scales, mins)
+  std::vector<int64_t> dims;         // per block: as many (group, rows)
   std::vector<at::Tensor> extras;    // per block: q, k, v biases, q and k norms (empty where absent)
   std::vector<int64_t> windows, local;  // per block: sliding window (0: none), 1: the local rotary tables
   double eps;
   int64_t head_dim;
   bool gelu;             // GELU-tanh gate (Gemma) instead of SiLU
   double scale, softcap;  // the query scale; attention scores soft-capped at this (0: not)
-  std::vector<at::Tensor> routers;   // per block: the router [experts, D] of a mixture-of-experts block, else empty
-  std::vector<int64_t> moe;          // per block: experts (0: a dense block), top k, renormalize the k weights (1/0)
-  std::vector<QMatrix> mats;         // per block: q, k, v, o, then gate, up, down (of each expert in turn)
+  std::vector<at::Tensor> routers;   // per block: the router [experts, D] of a mixture-of-experts block (+ the shared
+                                     // expert's gate as a last row), else empty
+  std::vector<int64_t> moe;          // per block: experts (0: a dense block), top k, renormalize the k weights (1/0),
+                                     // a shared expert (0: none, 1: added as it is, 2: scaled by sigmoid(gate · x))
+  std::vector<QMatrix> mats;         // per block: q, k, v, o, then gate, up, down (of each expert in turn, then the shared one)
   std::vector<int64_t> first_mat;    // per block: its q's index in mats
   std::vector<BlockExtras> block_extras;
   std::vector<const float*> norm_weights;  // per block: attention and FFN norm
