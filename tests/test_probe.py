@@ -111,6 +111,12 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     assert hw.decode_rate(2048, quantized=True) == q_width[2048]  # the model's width, not the 4096 figure
     assert min(q_width.values()) <= hw.decode_rate(3000, quantized=True) <= max(q_width.values())
     assert quant["expert_bytes"] == 8 * 3 * 2048 * 768 * 18 // 32  # 8 experts' gate, up, down at Q4_0's bytes
+    # decode rates are DRAM rates: every matrix and the experts together exceed the caches
+    from hardy.ops.kernel_probe import dram_bytes, last_level_cache_bytes
+
+    for nbytes in (quant["bytes"], profile["gemv"]["bytes"],
+                   quant["expert_shape"]["experts"] * quant["expert_bytes"] // 8):
+        assert nbytes >= min(dram_bytes(), 2 * last_level_cache_bytes()) and nbytes >= 256 << 20
     assert hw.expert_rate(2048, quantized=True) == quant["expert_bandwidth"] > 0
     assert hw.expert_rate(2048) == hw.decode_rate(2048)  # float weights: no grouped kernel
     tr = profile["training_runtime"]
@@ -165,3 +171,19 @@ def test_gemm_timer_counts_the_flops_of_every_matmul_a_layer_runs():
     # forward 24x16x40 (addmm) + 24x40x8; backward: dx, dW of both (the second's dW only)
     expected = 2 * (24 * 16 * 40 + 24 * 40 * 8) + 2 * (24 * 40 * 16 + 40 * 24 * 16) + 2 * (24 * 8 * 40)
     assert timer.flops == expected and timer.seconds > 0
+
+
+def test_decode_rates_are_measured_on_more_bytes_than_the_caches_hold(tmp_path):
+    """The last-level cache is read from sysfs (K/M suffixes, the largest level), and the working set
+    is twice it, at least 256 MiB, at most 1 GiB: a 300 MiB L3 measured at 64 MiB read ~54 GB/s where
+    DRAM gives ~29."""
+    from hardy.ops.kernel_probe import dram_bytes, last_level_cache_bytes
+
+    for index, size in enumerate(("48K", "32K", "2048K", "300M")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 300 << 20
+    assert last_level_cache_bytes(tmp_path / "absent") == 0
+    assert dram_bytes(cache=300 << 20) == 600 << 20
+    assert dram_bytes(cache=32 << 20) == 256 << 20 and dram_bytes(cache=0) == 256 << 20
+    assert dram_bytes(cache=2 << 30) == 1 << 30

@@ -53,7 +53,7 @@ def table(profile: dict) -> list[tuple[str, str]]:
     gemv = profile.get("gemv")
     if gemv:
         by_width = " ".join(f"{w}:{_g(r)}" for w, r in sorted(gemv["bandwidth_by_width"].items(), key=lambda kv: int(kv[0])))
-        rows.append(("decode GEMV fp32 GB/s", f"{_g(gemv['bandwidth'])}  (batch 1, 64 MiB of weights; by width {by_width})"))
+        rows.append(("decode GEMV fp32 GB/s", f"{_g(gemv['bandwidth'])}  (batch 1, {gemv.get('bytes', 64 << 20) >> 20} MiB of weights; by width {by_width})"))
     quant = profile.get("quant_gemv")
     if quant:
         by_width = " ".join(f"{w}:{_g(r)}" for w, r in sorted((quant.get("bandwidth_by_width") or {}).items(),

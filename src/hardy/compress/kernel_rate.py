@@ -11,17 +11,17 @@ import torch
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
 from hardy.formats.quantized import QuantSpec, QuantTensor
-from hardy.ops.kernel_probe import best_time
+from hardy.ops.kernel_probe import best_time, dram_bytes
 
 MiB = 1 << 20
 
 
 def measure_quant_gemv(device: torch.device, quick: bool) -> dict | None:
     """Rate at which hardy's fused int4 decode kernel (hardy.compress.kernels; symmetric int4 g32, a
-    GGUF Q4_0 file's layout) reads its weights at batch 1, on 64 MiB matrices (DRAM, as a real model's
-    layers are) of widths from a 1B model's to an 8B model's: narrower rows pay the per-row reduction
-    on fewer bytes. The 4096-wide rate is the profile's figure. None off the CPU or where the kernels
-    are not built."""
+    GGUF Q4_0 file's layout) reads its weights at batch 1, on matrices larger than the caches
+    (hardy.ops.kernel_probe.dram_bytes: from DRAM, as a real model's layers are) of widths from a 1B
+    model's to an 8B model's: narrower rows pay the per-row reduction on fewer bytes. The 4096-wide
+    rate is the profile's figure. None off the CPU or where the kernels are not built."""
     if device.type != "cpu":
         return None
     if kernels.load() is None:
@@ -30,7 +30,7 @@ def measure_quant_gemv(device: torch.device, quick: bool) -> dict | None:
     by_width, nbytes = {}, 0
     for width in QUANT_WIDTHS:
         per_row = width // 2 + 2 * width // 32  # the codes and one fp16 scale per 32
-        rows = -(-(64 * MiB) // per_row) // 8 * 8 + 8
+        rows = -(-dram_bytes() // per_row) // 8 * 8 + 8
         layer = _random_q4_0(rows, width, gen)
         kernels.prepare(layer)
         x = torch.randn(1, width)
@@ -45,13 +45,15 @@ QUANT_WIDTHS = (1024, 2048, 4096)
 
 
 def _random_q4_0(rows: int, cols: int, gen: torch.Generator) -> QuantLinear:
-    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
-    scale = (torch.rand(rows, cols // 32, generator=gen) * 1e-2 + 1e-3).half()
+    # 64 random rows repeated: the kernel's speed does not depend on the values, and drawing a
+    # DRAM-sized matrix value by value would take longer than timing it
+    codes = torch.randint(0, 16, (min(rows, 64), cols), dtype=torch.uint8, generator=gen).repeat(-(-rows // 64), 1)[:rows]
+    scale = (torch.rand(min(rows, 64), cols // 32, generator=gen) * 1e-2 + 1e-3).half().repeat(-(-rows // 64), 1)[:rows]
     return QuantLinear(QuantTensor(codes=codes, scale=scale, mins=None, spec=QuantSpec(4, 32, True)))
 
 
-# A Qwen3-30B-A3B layer's experts (hidden 2048, expert width 768, 8 of 128 per token), fewer of them:
-# enough that a token's experts come from DRAM, as a real model's do
+# A Qwen3-30B-A3B layer's experts (hidden 2048, expert width 768, 8 of 128 per token), as many of them
+# as hold more bytes than the caches (dram_bytes): a token's experts come from DRAM, as a real model's do
 EXPERT_SHAPE = dict(dim=2048, ffn=768, top_k=8)
 
 
@@ -60,7 +62,8 @@ def measure_expert_gemv(quick: bool) -> dict:
     (gate, up and down, Q4_0) when each call routes to experts the last few calls did not touch: small
     matrices read a few at a time run below a large matrix's rate."""
     d, f, k = EXPERT_SHAPE["dim"], EXPERT_SHAPE["ffn"], EXPERT_SHAPE["top_k"]
-    n = 32 if quick else 64  # x 2.6 MiB: 85 or 170 MiB of experts
+    per_expert = 3 * d * f * 18 // 32  # Q4_0: 18 bytes per 32 weights, ~2.6 MiB
+    n = max(32, -(-dram_bytes() // per_expert))
     gen = torch.Generator().manual_seed(1)
     experts = torch.nn.ModuleList(torch.nn.ModuleList([_random_q4_0(f, d, gen), _random_q4_0(f, d, gen),
                                                        _random_q4_0(d, f, gen)]) for _ in range(n))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,26 @@ from hardy.model.config import ModelConfig
 from hardy.model.transformer import Rotary, TransformerBlock, rope_tables
 
 MiB = 1 << 20
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache the OS reports (Linux sysfs), 0 where it reports none."""
+    sizes = []
+    for entry in root.glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        try:
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except ValueError:
+            continue
+    return max(sizes, default=0)
+
+
+def dram_bytes(floor: int = 256 * MiB, cap: int = 1 << 30, cache: int | None = None) -> int:
+    """Bytes a decode-rate measurement streams so that they come from DRAM, as a real model's weights
+    do: twice the last-level cache, at least `floor`, at most `cap`. A fixed 64 MiB did not: on a Xeon
+    with a 300 MiB L3 it measured ~54 GB/s where 2 threads read DRAM at ~29 (BENCHMARKS.md)."""
+    cache = last_level_cache_bytes() if cache is None else cache
+    return int(min(cap, max(floor, 2 * cache)))
 
 
 def sync(device: torch.device) -> None:
@@ -227,14 +248,17 @@ def measure_elementwise(device: torch.device, quick: bool) -> dict:
 
 def measure_gemv(device: torch.device, quick: bool) -> dict:
     """Rate at which a batch-1 matrix-vector product (decoding one token) reads fp32 weights, at
-    widths from a small model's to a 7B model's: on a CPU well below a streaming copy (measured
-    11-20 GB/s against a 30-48 GB/s copy here). The median is the profile's decode bandwidth."""
+    widths from a small model's to a 7B model's, from DRAM on a CPU (`dram_bytes`; a GPU's caches are
+    far smaller than its 64 MiB): well below a streaming copy (measured 11-20 GB/s against a 30-48 GB/s
+    copy here). The median is the profile's decode bandwidth."""
     widths = (576, 1536, 4096)
-    rows = {}
+    rows, nbytes = {}, 0
     for width in widths:
-        # 64 MiB of weights: decoding streams them from DRAM (a matrix that fits in cache would not)
-        w = torch.randn(max(width, (64 * MiB) // (4 * width)), width, device=device)
+        # more weights than the caches hold: decoding streams them from DRAM (cached ones would not)
+        size = dram_bytes() if device.type == "cpu" else 64 * MiB
+        w = torch.empty(max(width, size // (4 * width)), width, device=device).normal_()
         x = torch.randn(1, width, device=device)
         seconds = best_time(lambda: x @ w.t(), device, 0.05 if quick else 0.2)
-        rows[str(width)] = w.numel() * w.element_size() / seconds
-    return {"bandwidth_by_width": rows, "bandwidth": statistics.median(rows.values())}
+        nbytes = w.numel() * w.element_size()
+        rows[str(width)] = nbytes / seconds
+    return {"bandwidth_by_width": rows, "bandwidth": statistics.median(rows.values()), "bytes": nbytes}
