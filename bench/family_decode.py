@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from native import LLAMA_CPP, cpu_line, fmt, llama_bench, median_ci  # noqa: E402
+from native import cpu_line, fmt, llama_bench, llama_cpp_label, median_ci  # noqa: E402
 
 
 def main() -> None:
@@ -57,14 +57,14 @@ def main() -> None:
         print(f"rep {rep + 1}: llama.cpp {theirs[-1]:.1f}  hardy {ours[-1]:.1f} tokens/s", flush=True)
     h, c = median_ci(ours), median_ci(theirs)
     ratios = median_ci([a / b for a, b in zip(ours, theirs)])
-    print(f"\n{args.model} ({path.name}), {args.threads} threads, tg{args.new_tokens}, {cpu_line()}; {LLAMA_CPP}")
+    print(f"\n{args.model} ({path.name}), {args.threads} threads, tg{args.new_tokens}, {cpu_line()}; {llama_cpp_label()}")
     print("| runtime | decode tokens/s, median [95% interval] |\n|---|---|")
     print(f"| llama.cpp llama-bench (f16 KV) | {fmt(*c)} |\n| hardy ({args.kv_dtype} KV) | {fmt(*h)} |")
     print(f"ratio hardy / llama.cpp, per alternating pair: {fmt(*ratios, digits=2)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "file": str(path), "threads": args.threads,
                                                "hardy": ours, "llama_cpp": theirs, "cpu": cpu_line(),
-                                               "llama_cpp_build": LLAMA_CPP, "kv_dtype": args.kv_dtype}, indent=1))
+                                               "llama_cpp_build": llama_cpp_label(), "kv_dtype": args.kv_dtype}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from native import LLAMA_CPP, cpu_line, fmt, llama_bench, median_ci  # noqa: E402
+from native import cpu_line, fmt, llama_bench, llama_cpp_label, median_ci  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,7 +72,7 @@ def main() -> None:
     ours = [r["prefill_tps"] for r in runs]
     gain = median_ci([r["batch_tps"] / r["batch1_step_tps"] for r in runs])
     rss = median_ci([r["peak_rss"] / (size + kv) for r in runs])
-    print(f"\n{path.name} ({size / 2 ** 30:.2f} GiB), {args.threads} threads, {cpu_line()}; {LLAMA_CPP}")
+    print(f"\n{path.name} ({size / 2 ** 30:.2f} GiB), {args.threads} threads, {cpu_line()}; {llama_cpp_label()}")
     print("| measure | median [95% interval] |\n|---|---|")
     print(f"| llama-bench pp{args.prompt}, tokens/s | {fmt(*median_ci(theirs))} |")
     print(f"| hardy prefill of {args.prompt} tokens, tokens/s | {fmt(*median_ci(ours))} |")
@@ -84,7 +84,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"file": str(path), "bytes": size, "kv_bytes": kv, "threads": args.threads,
                                                "llama_bench_pp": theirs, "hardy": runs, "cpu": cpu_line(),
-                                               "llama_cpp_build": LLAMA_CPP}, indent=1))
+                                               "llama_cpp_build": llama_cpp_label()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -15,21 +16,38 @@ HERE = Path(__file__).resolve().parent
 LLAMA_CPP = "llama-cpp-python 0.3.36 sdist, llama.cpp commit 0c1e57098bba, -DGGML_NATIVE=ON"
 
 
-def llama_bin() -> Path:
-    """The directory of the native tools (built on first use: ~10-15 minutes on 2 cores)."""
-    out = subprocess.run(["bash", str(HERE / "llama_cpp_build.sh")], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHON": sys.executable})
+# Set once this llama.cpp's AMX matmul has died with SIGILL on this machine: from then on every run
+# uses the build with AMX masked (bench/llama_cpp_build.sh, LLAMA_CPP_AMX=off), and llama_cpp_label says so.
+_amx_crashed = False
+
+
+def llama_bin(amx: bool = True) -> Path:
+    """The directory of the native tools (built on first use: ~10-15 minutes on 2 cores); `amx` False:
+    the copy built with the AMX instructions masked."""
+    env = {**__import__("os").environ, "PYTHON": sys.executable, "LLAMA_CPP_AMX": "on" if amx else "off"}
+    out = subprocess.run(["bash", str(HERE / "llama_cpp_build.sh")], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"building llama.cpp failed:\n{out.stderr[-3000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def llama_cpp_label() -> str:
+    return LLAMA_CPP + (", AMX masked (its AMX matmul died with SIGILL here)" if _amx_crashed else "")
+
+
 def llama_bench(model: Path, threads: int, prompt: int = 0, gen: int = 128, reps: int = 1,
                 extra: tuple[str, ...] = ()) -> list[float]:
     """tokens/s samples of `llama-bench` (one test: pp`prompt` or tg`gen`)."""
-    cmd = [str(llama_bin() / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
-           "-r", str(reps), "-o", "json", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    global _amx_crashed
+    args = ["-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json", *extra]
+    out = subprocess.run([str(llama_bin(not _amx_crashed) / "llama-bench"), *args], capture_output=True, text=True)
+    if out.returncode == -signal.SIGILL and not _amx_crashed:
+        _amx_crashed = True
+        print("llama-bench died with SIGILL (its AMX matmul); every llama.cpp run from here on uses the build with "
+              "AMX masked", file=sys.stderr, flush=True)
+        out = subprocess.run([str(llama_bin(False) / "llama-bench"), *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"llama-bench failed ({out.returncode}):\n{out.stderr[-3000:]}")
     rows = json.loads(out.stdout)
     return [float(x) for row in rows for x in row["samples_ts"]]
 

@@ -376,3 +376,19 @@ def test_a_matrix_converted_in_parts_equals_it_converted_at_once(monkeypatch, ty
         else:
             assert pages.calls == [("prefetch", 0, 36)]
     assert not torch.equal(whole[None].stored()["qweight"], whole[2].stored()["qweight"])
+
+
+def test_loading_a_gguf_and_generating_leave_distributed_checkpointing_unimported(mini_ggufs):
+    """Inference never needs torch.distributed.checkpoint or DTensor (with sympy they were ~50 MB of a
+    process's memory and ~0.9 s of its start), so a native load, a generation and the serving engine
+    import neither; loading a training run's checkpoint still can (it is the same function)."""
+    code = ("import sys, torch; from hardy.loading.load import load_model; "
+            "from hardy.infer.generate import SamplingConfig, generate; from hardy.serve.engine import ModelRunner; "
+            f"m = load_model({str(mini_ggufs['Q4_0'])!r}, gguf='native'); "
+            "print(generate(m.model, [1, 2, 3], SamplingConfig(max_new_tokens=4)).tokens); "
+            "print(sorted(n for n in ('torch.distributed.checkpoint', 'torch.distributed.tensor', 'sympy') "
+            "if n in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokens, imported = proc.stdout.strip().splitlines()[-2:]
+    assert len(json.loads(tokens)) == 4 and imported == "[]", proc.stdout

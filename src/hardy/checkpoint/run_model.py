@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hardy.checkpoint.manager import load_model_weights, step_dirs
 from hardy.errors import HardyError
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import ModelConfig
@@ -13,6 +12,10 @@ from hardy.model.transformer import meta_transformer
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
+    # the checkpoint manager imports torch.distributed.checkpoint (DTensor, sympy: ~0.85 s and ~50 MB),
+    # which loading a GGUF or Hugging Face model for inference never needs
+    from hardy.checkpoint.manager import step_dirs
+
     dirs = step_dirs(Path(run_dir) / "checkpoints")
     if not dirs:
         raise HardyError(f"{run_dir}: no complete checkpoint in this run directory")
@@ -39,6 +42,8 @@ def load_run_model(run_dir: Path):
     model = meta_transformer(mcfg)
     model.to_empty(device="cpu")
     model.tie_weights()
+    from hardy.checkpoint.manager import load_model_weights  # only here: see newest_checkpoint
+
     load_model_weights(newest_checkpoint(run_dir), model)
     model.reset_rope()
     return mcfg, model.eval(), HardyTokenizer.from_hf_dir(dataset)
