@@ -119,8 +119,10 @@ at::Tensor MoEExperts::operator()(at::Tensor x, at::Tensor experts, at::Tensor w
       std::memcpy(in.sums.data() + r * nb, tokens.sums.data() + t * nb, nb * sizeof(float));
     }
   });
-  // gate and up of every active expert in one parallel region
-  std::vector<float> gate(R * ffn), up(R * ffn), down(R * dim);
+  // gate and up of every active expert in one parallel region. The buffers of each phase are freed
+  // before the next one's are taken: a 512-token prefill of 8 experts each (R = 4096 rows) otherwise
+  // holds gate, up and the gathered inputs (~34 MB at Qwen3-30B-A3B's sizes) beside the down outputs.
+  std::vector<float> gate(R * ffn), up(R * ffn);
   std::vector<std::vector<float>> xg;
   std::vector<Task> tasks;
   xg.reserve(3 * n_experts);
@@ -133,12 +135,16 @@ at::Tensor MoEExperts::operator()(at::Tensor x, at::Tensor experts, at::Tensor w
     }
   }
   run(tasks);
+  in = Rows(0, dim);
   // the activation, quantized for the down projections
   at::parallel_for(0, R * ffn, 4096, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) gate[i] = (gelu ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
   });
   Rows mid(R, ffn);
   mid.quantize(gate.data());
+  std::vector<float>().swap(gate);
+  std::vector<float>().swap(up);
+  std::vector<float> down(R * dim);
   tasks.clear();
   for (int64_t e = 0; e < n_experts; ++e) {
     const int64_t first = count[e], n = count[e + 1] - count[e];
