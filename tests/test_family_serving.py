@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import hardy_main, run_hardy
 
@@ -25,17 +26,65 @@ def int4_dirs(family_dirs, tmp_path_factory):
     return out
 
 
+PROMPT = "KING RICHARD:"
+# Logits within which --tp 2 and one process may order two tokens either way: float ranks add in another
+# order (~1e-6 apart); int8-quantized activations turn that into a flipped rounding now and then (~1e-2).
+NEAR_TIE = {"float": 1e-4, "int4": 0.05}
+
+
+def _module_path_greedy(model_dir, n: int) -> tuple[list[int], list[float], object]:
+    """One process's greedy tokens through the blocks as modules (the path --tp runs: its blocks are
+    sharded, so the fused decode stack does not apply), with each step's top-2 logit margin."""
+    from unittest import mock
+
+    from hardy.cli.common import use_fast_prefill
+    from hardy.infer import fused_decode
+    from hardy.infer.generate import SamplingConfig, generate
+    from hardy.loading.load import load_model
+
+    loaded = load_model(str(model_dir))
+    use_fast_prefill(loaded)
+    model, margins = loaded.model, []
+    head = model.logits
+
+    def recorded(h):
+        out = head(h)
+        top = torch.topk(out.reshape(-1, out.shape[-1])[-1].float(), 2).values
+        margins.append(float(top[0] - top[1]))
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with mock.patch.object(fused_decode, "fused_blocks", lambda m: None), \
+                mock.patch.object(model, "logits", recorded):
+            tokens = generate(model, loaded.tokenizer.encode(PROMPT), SamplingConfig(max_new_tokens=n),
+                              stop_ids=loaded.tokenizer.stop_ids, kv_dtype=torch.float32).tokens
+    finally:
+        torch.set_num_threads(threads)
+    return tokens, margins, loaded.tokenizer
+
+
 @pytest.mark.parametrize("family", TP_FAMILIES)
 @pytest.mark.parametrize("kind", ["float", "int4"])
 def test_tp2_generates_one_process_text(family_dirs, int4_dirs, family, kind):
+    """`generate --tp 2` prints one process's greedy text up to the first near-tie of one process's
+    logits (all of it where there is none). A random model has many: gemma3_text int4 parted from
+    one process at a 0.0003-logit tie on 2026-12-05's EPYC."""
     model = family_dirs[family] if kind == "float" else int4_dirs[family]
-    args = ["generate", "--model", str(model), "--prompt", "KING RICHARD:", "--max-new-tokens", "24", "--threads", "2",
-            "--kv-dtype", "fp32", "--stats"]
-    one = hardy_main(*args)
-    two = run_hardy(*args, "--tp", "2", timeout=300)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    ours, margins, tok = _module_path_greedy(model, 24)
+    agreed = next((i for i, m in enumerate(margins) if m < NEAR_TIE[kind]), len(ours))
+    stream = tok.stream_decoder()
+    expected = PROMPT + "".join(stream.step(t) for t in ours[:agreed] if t not in tok.stop_ids)
+    two = run_hardy("generate", "--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "24", "--threads", "2",
+                    "--kv-dtype", "fp32", "--stats", "--tp", "2", timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
     # a random model's text: bytes, some not printable (held back as partial UTF-8); all 24 generated
-    assert two.stdout == one.stdout and "decode: 24 tokens" in one.stderr and "decode: 24 tokens" in two.stderr
+    assert "decode: 24 tokens" in two.stderr and len(ours) == 24
+    if agreed == len(ours):
+        assert two.stdout == expected + "\n"
+    else:
+        assert two.stdout.startswith(expected), (agreed, margins[agreed])
 
 
 def test_serve_answers_concurrent_clients_on_the_real_gemma_file():

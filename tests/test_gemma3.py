@@ -49,19 +49,43 @@ def test_wikitext_tokenizes_as_llama_cpp(gemma, gemma_path):
     assert len(ours) > 280_000
 
 
+NEAR_TIE = 0.2  # logits: both runtimes quantize activations to 8 bits their own way (~0.1-0.3 apart here)
+
+
 @torch.inference_mode()
 def test_first_sentence_continues_with_llama_cpps_64_greedy_tokens(gemma, gemma_path):
+    """hardy's greedy decode (the fused stack, paged cache) follows llama.cpp's 64 greedy tokens; where
+    the two part, it is at a near-tie of llama.cpp's (top-2 within NEAR_TIE) and hardy took llama.cpp's
+    runner-up, and hardy goes on from llama.cpp's choice. The 64 tokens were identical on the machines
+    before 2026-12-05; on that day's AVX-512 EPYC they part at the second token, a 0.09-logit tie of llama.cpp's."""
     from hardy.infer.generate import SamplingConfig, generate
 
     prompt = gemma.tokenizer.encode(FIRST_SENTENCE)
-    ours = generate(gemma.model, prompt, SamplingConfig(max_new_tokens=64), kv_dtype=torch.float32).tokens
-    llm = llama_cpp.Llama(model_path=str(gemma_path), n_ctx=256, n_threads=2, type_k=0, type_v=0, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gemma_path), n_ctx=256, n_threads=2, type_k=0, type_v=0, logits_all=True,
+                          verbose=False)
     theirs = []
     for token in llm.generate(prompt, temp=0.0, reset=True):
         theirs.append(int(token))
         if len(theirs) == 64:
             break
-    assert ours == theirs, gemma.tokenizer.decode(ours)
+    llm.reset()
+    llm.eval(prompt + theirs[:-1])
+    scores = np.asarray(llm.scores[len(prompt) - 1:len(prompt) - 1 + len(theirs)])
+    top2 = np.argsort(-scores, axis=1)[:, :2]
+    assert (top2[:, 0] == theirs).all()  # llama.cpp's greedy tokens are its own top-1
+    margins = scores[np.arange(len(theirs)), top2[:, 0]] - scores[np.arange(len(theirs)), top2[:, 1]]
+    i, partings = 0, []
+    while i < len(theirs):
+        ours = generate(gemma.model, prompt + theirs[:i], SamplingConfig(max_new_tokens=len(theirs) - i),
+                        kv_dtype=torch.float32).tokens
+        same = next((j for j, (a, b) in enumerate(zip(ours, theirs[i:])) if a != b), len(ours))
+        i += same
+        if i >= len(theirs):
+            break
+        assert margins[i] < NEAR_TIE and ours[same] == top2[i, 1], (i, margins[i], gemma.tokenizer.decode(ours))
+        partings.append(i)
+        i += 1
+    assert len(partings) <= 2, partings
 
 
 @torch.inference_mode()

@@ -117,8 +117,17 @@ def destroy() -> None:
     _store = None
 
 
+_left = False  # leave_together ran: `python -m hardy` then ends this worker without finalization
+
+
 def leave_together() -> None:
     """End a run whose ranks all reach this point: wait for every peer first, so no rank tears gloo
     down while another is still sending (seen: 'terminate called without an active exception')."""
+    global _left
     barrier()
     destroy()
+    _left = True
+
+
+def left_together() -> bool:
+    return _left
