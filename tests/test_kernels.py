@@ -13,7 +13,7 @@ import torch
 
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
-from hardy.formats.quantized import QuantSpec, rtn
+from hardy.formats.quantized import QuantSpec, QuantTensor, rtn
 
 # int4 on both grids: asymmetric (Q4_1, with mins) and symmetric (Q4_0, the offset from the scale); the 5-bit
 # grid (Q5_0: the int4 layout plus a plane of fifth bits)
@@ -107,17 +107,20 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     """The scalar fallback (no vector ISA) and, on a VNNI machine, the AVX2 build (maddubs instead of
-    vpdpbusd) agree with the build in use, for groups of 32, wider groups and per-channel scales."""
+    vpdpbusd) agree with the build in use, for groups of 32, wider groups, per-channel scales and the
+    K-quant form (GGUF Q4_K's sc/m bytes and d/dmin)."""
     if isa == "avx2" and not ext.has_vnni():
         pytest.skip("the build in use is the AVX2 one (or narrower)")
     check = "not m.has_avx2()" if isa == "generic" else "m.has_avx2() and not m.has_vnni()"
     specs = [(4, 32, False), (4, 128, False), (4, 32, True), (8, 32, True), (8, 0, True), (5, 32, True)]
     script = (
         "import torch, json; from hardy.compress import kernels; from hardy.compress.qlinear import QuantLinear;"
-        f"from hardy.formats.quantized import QuantSpec, rtn; m = kernels.load(); assert {check};"
+        f"from hardy.formats.quantized import QuantSpec, QuantTensor, rtn; m = kernels.load(); assert {check};"
         "g = torch.Generator().manual_seed(0); x = torch.randn(2, 576, generator=g); out = {};"
         "[out.__setitem__(f'{b} {s} {y}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
-        f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}]; print(json.dumps(out))")
+        f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}];"
+        f"exec({_K_FORM!r}); out['K'] = kernels.make_kernel(QuantLinear(k_form(g)), m)(x[:, :512]).tolist();"
+        "print(json.dumps(out))")
     env = dict(os.environ, HARDY_KERNEL_ISA=isa, HARDY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -128,6 +131,24 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
         layer = QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05, QuantSpec(bits, size, sym)))
         ours = kernels.make_kernel(layer, ext)(x)
         assert torch.allclose(torch.tensor(narrow[f"{bits} {size} {sym}"]), ours, rtol=1e-5, atol=1e-5), (bits, size)
+    namespace = {"torch": torch, "QuantSpec": QuantSpec, "QuantTensor": QuantTensor}
+    exec(_K_FORM, namespace)
+    k_tensor = namespace["k_form"](g)
+    ours = kernels.make_kernel(QuantLinear(k_tensor), ext)(x[:, :512])
+    assert torch.allclose(torch.tensor(narrow["K"]), ours, rtol=1e-5, atol=1e-5)
+    want = x[:, :512] @ k_tensor.dequantize().T  # and the form computes its own dequantized weights
+    assert (ours - want).abs().max() < 2e-2 * want.abs().max()
+
+
+# A random matrix in the K-quant form (GGUF Q4_K's): codes, 6-bit sc and m, fp16 d and dmin per 256.
+_K_FORM = """
+def k_form(g, rows=64, cols=512):
+    def ints(high, *shape):
+        return torch.randint(0, high, shape, generator=g, dtype=torch.int64).to(torch.uint8)
+    supers = (torch.rand(rows, cols // 256, 2, generator=g) * 4e-3 + 1e-4).half()
+    return QuantTensor(ints(16, rows, cols), ints(64, rows, cols // 32), ints(64, rows, cols // 32),
+                       QuantSpec(4, 32, False, super_block=256), supers)
+"""
 
 
 def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, mini_compressed, monkeypatch):

@@ -4,7 +4,9 @@ quantized linears are stored as integer codes + fp16 scales, with a JSON descrip
   config.json            the model (Hugging Face Llama keys) + "quantization_config"
   model.safetensors      float tensors under HF names; a quantized weight `X.weight` is stored as
                          `X.qweight` (int8 codes, packed 4-bit bytes, or 3-bit codes one per byte),
-                         `X.scales` (fp16, [out, groups]) and, asymmetric, `X.mins` (fp16)
+                         `X.scales` (fp16, [out, groups]) and, asymmetric, `X.mins` (fp16); in the
+                         K-quant form (GGUF Q4_K) `X.scales` holds each group's 6-bit scale and min
+                         as bytes and `X.mins` each super-block's fp16 d and dmin
   quantization.json      {"format": "hardy.quant/1", "tensors": {hardy name: {bits, group_size,
                          symmetric}}, "packing": ..., "compress": the settings, "report": ...}
   tokenizer files

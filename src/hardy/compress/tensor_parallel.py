@@ -40,7 +40,7 @@ def check_split(name: str, spec: QuantSpec, shape: tuple[int, int], kind: str, p
         if out % parts:
             raise HardyError(f"{name}: {out} rows do not split into {parts} processes")
         return
-    width = spec.group_width(cols)
+    width = spec.super_block or spec.group_width(cols)  # the K-quant form splits along whole super-blocks
     if cols % parts or not (spec.groups(cols) == 1 or (cols // parts) % width == 0):
         raise HardyError(f"--tp {parts}: {name} has {cols} columns in quantization groups of {width}, which do "
                          f"not split into {parts} processes along whole groups")
@@ -51,12 +51,16 @@ def slice_quantized(qt: QuantTensor, kind: str, rank: int, parts: int, name: str
     out, cols = qt.shape
     if kind == "colwise":
         rows = slice(*TPSlice(kind, rank, parts).span(out))
-        return QuantTensor(qt.codes[rows], qt.scale[rows], None if qt.mins is None else qt.mins[rows], qt.spec)
+        return QuantTensor(qt.codes[rows], qt.scale[rows], None if qt.mins is None else qt.mins[rows], qt.spec,
+                           None if qt.supers is None else qt.supers[rows])
     width, local = qt.spec.group_width(cols), cols // parts
     c = slice(rank * local, (rank + 1) * local)
     # one scale per row (per-channel, or a group as wide as the row): every column slice keeps it
     g = slice(None) if qt.spec.groups(cols) == 1 else slice(rank * local // width, (rank + 1) * local // width)
-    return QuantTensor(qt.codes[:, c], qt.scale[:, g], None if qt.mins is None else qt.mins[:, g], qt.spec)
+    supers = None
+    if qt.supers is not None:
+        supers = qt.supers[:, rank * local // qt.spec.super_block:(rank + 1) * local // qt.spec.super_block]
+    return QuantTensor(qt.codes[:, c], qt.scale[:, g], None if qt.mins is None else qt.mins[:, g], qt.spec, supers)
 
 
 def rank_slices(rank: int, parts: int):

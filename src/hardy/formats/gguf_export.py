@@ -69,7 +69,8 @@ def repack_blocks(qt: QuantTensor, qtype: str) -> np.ndarray | None:
 def _permute_quant(qt: QuantTensor, heads: int) -> QuantTensor:
     """Row permutation of a quantized q/k matrix: codes, scales and mins move with their rows."""
     return QuantTensor(codes=permute_qk(qt.codes, heads), scale=permute_qk(qt.scale, heads),
-                       mins=None if qt.mins is None else permute_qk(qt.mins, heads), spec=qt.spec)
+                       mins=None if qt.mins is None else permute_qk(qt.mins, heads), spec=qt.spec,
+                       supers=None if qt.supers is None else permute_qk(qt.supers, heads))
 
 
 def _holds_quantized_weight(module) -> bool:

@@ -8,9 +8,9 @@ read from the memory-mapped file one tensor at a time: no float copy of the mode
   Q8_0        -> int8 symmetric, group 32: exact (fp16 scale, int8 codes).
   Q5_0        -> 5-bit symmetric, group 32: exact. Q5_0 *is* hardy's 5-bit grid ((q − 16)·d, fp16 d); the
                  kernels hold it as Q4 nibbles plus a plane of fifth bits: 5.5 bits per weight, as the file.
-  Q4_K        -> int4 asymmetric, group 32: the codes unchanged, each sub-block's scale d·sc and min
-                 dmin·m (fp32 products of fp16 and 6-bit integers in llama.cpp) rounded to fp16 —
-                 a relative error of at most 2⁻¹¹ in each, far below a 4-bit step.
+  Q4_K        -> int4 in the K-quant form (hardy.formats.quantized): exact. The codes unchanged, each
+                 sub-block's 6-bit scale and min unpacked to a byte, d and dmin as they are: 148 bytes
+                 per 256 weights against the file's 144.
   any other   -> int8 symmetric, group 32, re-quantized from the `gguf` package's dequantized
   quantized      values (Q5_*, Q6_K, Q2_K, Q3_K, IQ*): at most half an int8 step of error per
   type           weight (Q6_K's own step is ~4× coarser), ~1.06 bytes per weight in memory.
@@ -30,8 +30,9 @@ from hardy.formats.names import unpermute_qk
 from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn, untile_codes
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "scales rounded to fp16"}
+EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "exact"}
 INT4_G32 = QuantSpec(4, 32, False)
+INT4_K = QuantSpec(4, 32, False, super_block=256)
 INT4_SYM_G32 = QuantSpec(4, 32, True)
 INT8_G32 = QuantSpec(8, 32, True)
 INT5_G32 = QuantSpec(5, 32, True)
@@ -140,16 +141,14 @@ def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q4_k(t) -> PackedQuant:
     blocks, rows, cols = _blocks(t, 256, 144)
-    d = _half(blocks, 0).float().numpy()[..., None]
-    dmin = _half(blocks, 2).float().numpy()[..., None]
     sc, mn = _q4_k_scales(blocks[:, :, 4:16])
-    scale = torch.from_numpy((d * sc).astype(np.float32)).reshape(rows, -1).half()
-    mins = torch.from_numpy(-(dmin * mn).astype(np.float32)).reshape(rows, -1).half()
+    scales = torch.from_numpy(np.stack((sc, mn), axis=-1).astype(np.uint8).reshape(rows, -1))  # sc, m per group
+    supers = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:4]).view(np.float16).reshape(rows, -1).copy())
     # 4 chunks of 64 values per super-block, 32 bytes each: low nibbles = values 0-31 of the chunk,
     # high nibbles = values 32-63. hardy's blocks of 32 pack code j with code j + 16 instead.
     qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 16:]).reshape(rows, -1, 4, 32))
     codes = torch.stack((qs & 15, qs >> 4), dim=3).reshape(rows, cols)
-    return PackedQuant({"qweight": pack_int4(codes), "scales": scale, "mins": mins}, INT4_G32, (rows, cols))
+    return PackedQuant({"qweight": pack_int4(codes), "scales": scales, "mins": supers}, INT4_K, (rows, cols))
 
 
 REQUANT_ROWS = 2048  # rows dequantized at a time: a 128k-row Q6_K head never exists whole in fp32
@@ -213,7 +212,7 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(blocks.reshape(rows, -1))
     order = torch.arange(rows) if order is None else order
-    spec = {"Q6_K": INT8_G32, "Q4_K": INT4_G32, "Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[name]
+    spec = {"Q6_K": INT8_G32, "Q4_K": INT4_K, "Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[name]
     n_out = order.numel()
     step = max(8, CONVERT_PART_BYTES // max(1, raw.shape[1]) // 8 * 8)  # whole tiles of 8 rows per part
     parts = None
@@ -298,9 +297,12 @@ def _column_slice(q: PackedQuant, t, tp: TPSlice) -> PackedQuant:
     stored = q.stored()
     per_byte = 2 if q.spec.bits == 4 else 1  # codes per stored byte (one per byte at 3, 5 and 8 bits)
     parts = {"qweight": stored["qweight"][:, c0 // per_byte:c1 // per_byte].contiguous()}
-    for name in ("scales", "mins"):
+    # columns per stored entry: a group of 32 (the K-quant form: sc and m of a group, 16 columns each;
+    # d and dmin of a super-block of 256, 128 each)
+    per_entry = {"scales": 16, "mins": 128} if q.spec.super_block else {"scales": 32, "mins": 32}
+    for name, width in per_entry.items():
         if name in stored:
-            parts[name] = stored[name][:, c0 // 32:c1 // 32].contiguous()
+            parts[name] = stored[name][:, c0 // width:c1 // width].contiguous()
     return PackedQuant(parts, q.spec, (rows, c1 - c0))
 
 
@@ -328,11 +330,12 @@ def check_unpacks(q: PackedQuant, where: str) -> None:
     """Shapes agree with the spec (what QuantTensor.from_packed checks, without unpacking 8-bit)."""
     rows, cols = q.shape
     groups = q.spec.groups(cols)
+    per_row = 2 * groups if q.spec.super_block else groups  # the K-quant form: sc and m per group
     if q.tiled:
         padded = -(-rows // 8) * 8
-        want, want_scales = (padded, cols // 2 if q.spec.bits == 4 else cols), (padded // 8, groups, 8)
+        want, want_scales = (padded, cols // 2 if q.spec.bits == 4 else cols), (padded // 8, per_row, 8)
     else:
-        want, want_scales = ((rows, cols // 2) if q.spec.bits == 4 else (rows, cols)), (rows, groups)
+        want, want_scales = ((rows, cols // 2) if q.spec.bits == 4 else (rows, cols)), (rows, per_row)
     if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != want_scales:
         raise HardyError(f"{where}: quantized tensors do not match {q.spec.to_dict()} for shape {q.shape}")
 
@@ -344,4 +347,6 @@ def spec_for(type_name: str) -> QuantSpec:
         return INT4_SYM_G32
     if type_name == "Q5_0":
         return INT5_G32
-    return INT4_G32 if type_name in ("Q4_1", "Q4_K") else INT8_G32
+    if type_name == "Q4_K":
+        return INT4_K
+    return INT4_G32 if type_name == "Q4_1" else INT8_G32

@@ -6,7 +6,10 @@ Three grids, each chosen so that llama.cpp's blocks are the same numbers:
                       group 32: no min stored — 18 bytes per 32 weights against Q4_1's 20)
   asymmetric (4/3):   w = code · scale + min,         code ∈ [0, 2^b − 1]  (GGUF Q4_1 at 4 bits, group 32)
 `scale` and `min` are stored as fp16 and the arithmetic is fp32, exactly as llama.cpp dequantizes,
-so hardy's int8/int4 tensors repack into GGUF blocks losslessly. A group is `group_size`
+so hardy's int8/int4 tensors repack into GGUF blocks losslessly.
+The K-quant form (`super_block` 256: GGUF Q4_K, exact) stores each group's scale and min as 6-bit
+integers sc and m and each super-block's fp16 factors d and dmin:
+  w = code · (d·sc) − dmin·m,  code ∈ [0, 15]   (both products exact in fp32, as llama.cpp has them) A group is `group_size`
 consecutive input columns of one output row (group 0 = the whole row: per-channel).
 4-bit codes are packed two per byte in blocks of 32 columns: byte j of a block holds code j in its
 low nibble and code j + 16 in its high nibble (GGUF's Q4 order). 3-bit codes are kept one per byte
@@ -29,8 +32,12 @@ class QuantSpec:
     bits: int
     group_size: int = 0  # 0: one group per output row
     symmetric: bool | None = None  # default: symmetric for 8 bits, asymmetric below
+    super_block: int = 0  # 256: the K-quant form (module docstring); 0: fp16 scales and mins per group
 
     def __post_init__(self):
+        if self.super_block and (self.bits, self.group_size, self.symmetric, self.super_block) != (4, 32, False, 256):
+            raise HardyError(f"the K-quant form is 4-bit, asymmetric, groups of 32 in super-blocks of 256 "
+                             f"(got {self.bits}-bit, group {self.group_size}, super-block {self.super_block})")
         if self.bits not in (8, 5, 4, 3):
             raise HardyError(f"--bits must be 8, 5, 4 or 3 (got {self.bits})")
         if self.group_size < 0 or (self.group_size and self.group_size % PACK_BLOCK and self.bits == 4):
@@ -60,11 +67,13 @@ class QuantSpec:
         return -(-in_features // self.group_width(in_features))
 
     def to_dict(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
+        d = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric}
+        return {**d, "super_block": self.super_block} if self.super_block else d
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
-        return cls(bits=int(d["bits"]), group_size=int(d["group_size"]), symmetric=bool(d["symmetric"]))
+        return cls(bits=int(d["bits"]), group_size=int(d["group_size"]), symmetric=bool(d["symmetric"]),
+                   super_block=int(d.get("super_block", 0)))
 
 
 def group_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,30 +111,47 @@ def dequantize_with(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor |
 @dataclass
 class QuantTensor:
     """A quantized weight [out, in]: unpacked codes (int8 for symmetric, uint8 otherwise) and fp16
-    scale/min of shape [out, groups]."""
+    scale/min of shape [out, groups]. The K-quant form: scale and min are the 6-bit sc and m (uint8
+    [out, groups]) and `supers` the fp16 d and dmin of each super-block ([out, super-blocks, 2])."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     mins: torch.Tensor | None
     spec: QuantSpec
+    supers: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's scale and min as fp32 [out, groups] (the K-quant form's d·sc and −dmin·m)."""
+        if not self.spec.super_block:
+            return self.scale.float(), None if self.mins is None else self.mins.float()
+        per = self.spec.super_block // self.spec.group_size
+        d, dmin = (f.repeat_interleave(per, dim=1) for f in self.supers.float().unbind(-1))
+        return d * self.scale.float(), -(dmin * self.mins.float())
+
     def dequantize(self) -> torch.Tensor:
         cols = self.codes.shape[1]
         g = self.spec.group_width(cols)
-        scale = self.scale.float().repeat_interleave(g, dim=1)[:, :cols]
-        mins = None if self.mins is None else self.mins.float().repeat_interleave(g, dim=1)[:, :cols]
+        scale, mins = self.group_scales()
+        scale = scale.repeat_interleave(g, dim=1)[:, :cols]
+        mins = None if mins is None else mins.repeat_interleave(g, dim=1)[:, :cols]
         return dequantize_with(self.codes, scale, mins, self.spec.offset)
 
     def packed(self) -> dict[str, torch.Tensor]:
-        """The stored tensors: qweight (int8 codes, packed 4-bit bytes, or 3-bit codes), scales, mins."""
+        """The stored tensors: qweight (int8 codes, packed 4-bit bytes, or 3-bit codes), scales, mins.
+        The K-quant form: scales holds each group's sc and m in turn (uint8 [out, 2 x groups]) and
+        mins each super-block's d and dmin (fp16 [out, 2 x super-blocks]): the kernels' three tensors."""
         if self.spec.bits == 4:
             qweight = pack_int4(self.codes)
         else:
             qweight = self.codes.to(self.spec.code_dtype)
+        if self.spec.super_block:
+            scales = torch.stack((self.scale, self.mins), dim=-1).to(torch.uint8).reshape(self.shape[0], -1)
+            return {"qweight": qweight.contiguous(), "scales": scales,
+                    "mins": self.supers.half().reshape(self.shape[0], -1).contiguous()}
         out = {"qweight": qweight.contiguous(), "scales": self.scale.half().contiguous()}
         if self.mins is not None:
             out["mins"] = self.mins.half().contiguous()
@@ -139,6 +165,8 @@ class QuantTensor:
             mins = tensors.get("mins")
             codes = (unpack_int4(qweight) if spec.bits == 4 else qweight).to(spec.code_dtype)
             groups = spec.groups(shape[1])
+            if spec.super_block:
+                return cls._k_form(codes, scales, mins, spec, shape)
             if tuple(codes.shape) != tuple(shape) or tuple(scales.shape) != (shape[0], groups) or (
                     (mins is None) != spec.symmetric) or (mins is not None and mins.shape != scales.shape):
                 raise KeyError("shape")
@@ -146,9 +174,22 @@ class QuantTensor:
             raise HardyError(f"{where}: quantized tensors do not match {spec.to_dict()} for shape {shape}") from None
         return cls(codes=codes, scale=scales.half(), mins=None if mins is None else mins.half(), spec=spec)
 
+    @classmethod
+    def _k_form(cls, codes, scales, mins, spec: QuantSpec, shape) -> "QuantTensor":
+        rows, cols = shape
+        if (tuple(codes.shape) != tuple(shape) or cols % spec.super_block or scales.dtype != torch.uint8
+                or tuple(scales.shape) != (rows, 2 * cols // spec.group_size) or mins is None
+                or tuple(mins.shape) != (rows, 2 * cols // spec.super_block)):
+            raise KeyError("shape")
+        pairs = scales.reshape(rows, -1, 2)
+        return cls(codes=codes, scale=pairs[..., 0].contiguous(), mins=pairs[..., 1].contiguous(), spec=spec,
+                   supers=mins.half().reshape(rows, -1, 2))
+
     def stored_bits(self) -> float:
         """Bits per weight including scales and mins (3-bit codes counted as if packed)."""
         n = self.codes.numel()
+        if self.spec.super_block:  # a byte each for sc and m, fp16 d and dmin
+            return (self.spec.bits * n + 8 * 2 * self.scale.numel() + 16 * self.supers.numel()) / n
         extra = 16 * self.scale.numel() * (1 if self.mins is None else 2)
         return (self.spec.bits * n + extra) / n
 

@@ -1,5 +1,5 @@
 // GGUF blocks straight into the kernels' tiled layouts (qgemv.cpp reads them): Q4_0/Q4_1, Q8_0, and the
-// K-quants Q4_K (exact, as int4 g32 with mins) and Q6_K (re-quantized to int8 g32, docs/quantization.md).
+// K-quants Q4_K (exact, in the K-quant form of qgemv.h) and Q6_K (re-quantized to int8 g32, docs/quantization.md).
 #include "qgemv.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -160,33 +160,31 @@ std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks) {
 }
 
 // GGUF Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of
-// nibbles; 256 values) into the tiled int4 g32 layout, output row i from source row order[i]: the
-// codes unchanged (re-paired into hardy's nibble order), each sub-block's scale d·sc and min
-// −dmin·m computed in fp32 as llama.cpp does and rounded to fp16 (as the numpy path rounds them).
+// nibbles; 256 values) into the K-quant form of the tiled layout (qgemv.h), output row i taken from
+// source row order[i]: the codes unchanged (re-paired into hardy's nibble order), each sub-block's
+// 6-bit scale and min unpacked to a byte, d and dmin copied — nothing is rounded.
 std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
   const int64_t rows = check_gguf_input(blocks, order, 144, "q4k_to_tiled");
   const int64_t nsb = blocks.size(1) / 144, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
   auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
-  auto scales = at::zeros({tiles, nb, 8}, at::kHalf);
-  auto mins = at::zeros({tiles, nb, 8}, at::kHalf);
+  auto kscales = at::zeros({tiles, 2 * nb, 8}, at::kByte);
+  auto supers = at::zeros({tiles, 2 * nsb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* Q = q.data_ptr<uint8_t>();
-  at::Half* S = scales.data_ptr<at::Half>();
-  at::Half* M = mins.data_ptr<at::Half>();
+  uint8_t* SK = kscales.data_ptr<uint8_t>();
+  uint16_t* D = reinterpret_cast<uint16_t*>(supers.data_ptr<at::Half>());
   at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t tile = i / 8, lane = i % 8;
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t* blk = src + (ord[i] * nsb + sb) * 144;
-        uint16_t dh, mh;
-        std::memcpy(&dh, blk, 2);
-        std::memcpy(&mh, blk + 2, 2);
-        const float d = half_to_float(dh), dmin = half_to_float(mh);
+        std::memcpy(D + (tile * 2 * nsb + 2 * sb) * 8 + lane, blk, 2);
+        std::memcpy(D + (tile * 2 * nsb + 2 * sb + 1) * 8 + lane, blk + 2, 2);
         const uint8_t* sc = blk + 4;
         const uint8_t* qs = blk + 16;
         for (int j = 0; j < 8; ++j) {
-          int scale, mn;
+          int scale, mn;  // llama.cpp's get_scale_min_k4
           if (j < 4) {
             scale = sc[j] & 63;
             mn = sc[j + 4] & 63;
@@ -195,8 +193,8 @@ std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
             mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
           }
           const int64_t g = sb * 8 + j;
-          S[(tile * nb + g) * 8 + lane] = at::Half(d * (float)scale);
-          M[(tile * nb + g) * 8 + lane] = at::Half(-(dmin * (float)mn));
+          SK[(tile * 2 * nb + 2 * g) * 8 + lane] = (uint8_t)scale;
+          SK[(tile * 2 * nb + 2 * g + 1) * 8 + lane] = (uint8_t)mn;
           const uint8_t* chunk = qs + 32 * (j / 2);
           uint8_t stored[16];
           for (int b = 0; b < 16; ++b)
@@ -207,5 +205,5 @@ std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
       }
     }
   });
-  return {q, scales, mins};
+  return {q, kscales, supers};
 }

@@ -173,11 +173,20 @@ inline int fifth_bit(uint32_t lane, int code) {  // row's fifth bit of `code` fr
   return (lane >> (8 * i + 2 * c + half)) & 1;
 }
 
-// The int4 tile; Bits5: with each code's fifth bit from H (the 5-bit grid, (code − 16) · scale).
-template <bool HasMin, bool Bits5 = false>
+// A K-quant group's scale d·sc and min −dmin·m for one lane (SK: the tile's sc/m bytes, D: its d/dmin).
+inline float k_scale(const uint8_t* SK, const uint16_t* D, int64_t g, int r) {
+  return half_to_float(D[16 * (g / K_GROUPS) + r]) * (float)SK[16 * g + r];
+}
+inline float k_min(const uint8_t* SK, const uint16_t* D, int64_t g, int r) {
+  return -(half_to_float(D[16 * (g / K_GROUPS) + 8 + r]) * (float)SK[16 * g + 8 + r]);
+}
+
+// The int4 tile; Bits5: with each code's fifth bit from H (the 5-bit grid, (code − 16) · scale);
+// KQuant: the K-quant form (qgemv.h), S unused, SK its sc/m bytes and M its d/dmin.
+template <bool HasMin, bool Bits5 = false, bool KQuant = false>
 inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
                      const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid,
-                     const uint32_t* H = nullptr) {
+                     const uint32_t* H = nullptr, const uint8_t* SK = nullptr) {
   float out[8];
   const float offset = Bits5 ? 16.f : 8.f;
 #ifdef HARDY_AVX2
@@ -215,6 +224,16 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
       }
       part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(dx[b]), part);
     }
+    if constexpr (KQuant) {  // d·sc and dmin·m: products of an fp16 and a 6-bit integer, exact in fp32
+      const uint16_t* D = M + 16 * (g / K_GROUPS);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(SK + 16 * g))));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(SK + 16 * g + 8))));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(D)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(D + 8)));
+      acc = _mm256_fmadd_ps(part, _mm256_mul_ps(d, sc), acc);
+      acc_min = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, mn), _mm256_set1_ps(xg[g]), acc_min);
+      continue;
+    }
     const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 8 * g)));
     if constexpr (HasMin) {
       acc = _mm256_fmadd_ps(part, scale, acc);
@@ -239,6 +258,11 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
         }
       return sum;
     };
+    if constexpr (KQuant) {
+      out[r] = scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return k_scale(SK, M, g, r); });
+      for (int64_t g = 0; g < G; ++g) out[r] += k_min(SK, M, g, r) * xg[g];
+      continue;
+    }
     out[r] = scalar_groups(G, nb, bpg, dx, dot, [&](int64_t g) { return half_to_float(S[8 * g + r]); });
     for (int64_t g = 0; g < G; ++g)
       out[r] += HasMin ? half_to_float(M[8 * g + r]) * xg[g] : -offset * half_to_float(S[8 * g + r]) * xg[g];
@@ -340,6 +364,18 @@ QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, co
   m.tiles = qweight.size(0) / 8;
   m.groups = (m.K + group - 1) / group;
   m.blocks_per_group = group / QK;
+  if (int4 && scales.scalar_type() == at::kByte) {  // the K-quant form (qgemv.h)
+    TORCH_CHECK(group == QK && m.groups % K_GROUPS == 0 && scales.is_contiguous() && scales.dim() == 3 &&
+                scales.size(0) == m.tiles && scales.size(1) == 2 * m.groups && scales.size(2) == 8 &&
+                mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.dim() == 3 &&
+                mins.size(0) == m.tiles && mins.size(1) == 2 * m.groups / K_GROUPS && mins.size(2) == 8,
+                "K-quant form: group 32, whole super-blocks of 256, uint8 sc/m [tiles, 2 x groups, 8] and fp16 "
+                "d/dmin [tiles, 2 x super-blocks, 8]");
+    m.w4 = qweight.data_ptr<uint8_t>();
+    m.kscales = scales.data_ptr<uint8_t>();
+    m.supers = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+    return m;
+  }
   const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
               scales.dim() == 3 && scales.size(0) == m.tiles && scales.size(1) == m.groups && scales.size(2) == 8 &&
@@ -377,13 +413,21 @@ void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const
     const uint8_t* W = m.w4;
     prefetch_start(W + begin * 4 * K, (end - begin) * 4 * K);
     // the grid, chosen once per matrix
+    if (m.kscales) {  // per tile: 16 bytes of sc/m per group, 16 halves of d/dmin per super-block
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t t = 0; t < T; ++t)
+          q4_tile8<true, false, true>(W + i * 4 * K, nullptr, m.supers + i * (G / K_GROUPS) * 16, XQ + t * K,
+                                      DX + t * nb, xg + t * G, nb, G, bpg, Y + t * N + i * 8,
+                                      std::min<int64_t>(8, N - i * 8), nullptr, m.kscales + i * G * 16);
+      return;
+    }
     const auto tile = m.high ? q4_tile8<false, true> : m.mins ? q4_tile8<true> : q4_tile8<false>;
     if (m.high) prefetch_start(m.high + begin * nb * 8, (end - begin) * K);
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < T; ++t)
         tile(W + i * 4 * K, S + i * G * 8, m.mins ? m.mins + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
              xg + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8),
-             m.high ? m.high + i * nb * 8 : nullptr);
+             m.high ? m.high + i * nb * 8 : nullptr, nullptr);
   } else {
     const int8_t* W = m.w8;
     prefetch_start(W + begin * 8 * K, (end - begin) * 8 * K);
@@ -434,15 +478,19 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
 // Row r of a tiled int8 or int4 matrix as float: code * scale (+ min), or (code - 8) * scale on the
 // symmetric int4 grid (M null), as QuantTensor does. The group width is a multiple of 32, so the 32
 // values of a block share one scale (and min).
+// SK: the K-quant form's sc/m bytes (then M holds its d/dmin and S is unused).
 static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, const uint16_t* M, int64_t K, int64_t G,
-                 int64_t group, int64_t r, float* y, const uint32_t* H = nullptr) {
+                 int64_t group, int64_t r, float* y, const uint32_t* H = nullptr, const uint8_t* SK = nullptr) {
   const int64_t nb = K / QK;
   if (W4) {
     const uint8_t* w = W4 + (r / 8) * 4 * K;
     const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
+    const uint8_t* sk = SK ? SK + (r / 8) * G * 16 : nullptr;
+    const uint16_t* dk = SK ? M + (r / 8) * (G / K_GROUPS) * 16 : nullptr;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t g = b * QK / group;
-      const float s = half_to_float(S[base + g * 8]), m = M ? half_to_float(M[base + g * 8]) : 0.f;
+      const float s = SK ? k_scale(sk, dk, g, lane) : half_to_float(S[base + g * 8]);
+      const float m = SK ? k_min(sk, dk, g, lane) : M ? half_to_float(M[base + g * 8]) : 0.f;
       const float off = M ? 0.f : H ? 16.f : 8.f;
       const uint32_t h = H ? H[(r / 8) * nb * 8 + b * 8 + lane] : 0;
       for (int c = 0; c < 4; ++c)
@@ -469,26 +517,24 @@ static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, 
 at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t group,
                         at::Tensor rows) {
   check_on_cpu({qweight, scales, mins, rows}, "an embedding lookup");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && qweight.is_contiguous() &&
-              scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int64 row ids, contiguous tables");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && qweight.is_contiguous() && scales.is_contiguous(),
+              "int64 row ids, contiguous tables");
   const bool int4 = qweight.scalar_type() == at::kByte;
-  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0);
-  const int64_t G = scales.size(1), N = qweight.size(0);
-  const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
-  TORCH_CHECK(K % QK == 0 && group % QK == 0 && scales.dim() == 3 &&
-              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes()) || (bits5 && mins.size(1) == K / QK)),
-              "dequant_rows: tiled int8 or int4 (or 5-bit)");
+  const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0), N = qweight.size(0);
+  const QMatrix q = quantized_matrix(qweight, scales, mins, group, N);  // checks every form's layout
+  const int64_t G = q.groups;
+  const bool bits5 = q.high != nullptr;
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = int4 && mins.numel() && !bits5 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  const uint16_t* S = q.scales;
+  const uint16_t* M = q.kscales ? q.supers : q.mins;
   const uint32_t* H = bits5 ? reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>()) : nullptr;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* Y = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(R[i] >= 0 && R[i] < N, "row id out of range");
-    dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K, H);
+    dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K, H, q.kscales);
   }
   return out;
 }
@@ -501,17 +547,16 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
   check_on_cpu({qweight, scales, mins, out}, "a prefill dequantization");
   const bool int4 = qweight.scalar_type() == at::kByte, bf16 = out.scalar_type() == at::kBFloat16;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = out.size(0);
-  const int64_t G = scales.size(1), N = qweight.size(0);  // rows padded to whole tiles
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-              out.is_contiguous() && out.dim() == 2 && out.size(1) == K && (bf16 || out.scalar_type() == at::kFloat) &&
-              begin >= 0 && begin + n <= N && K % QK == 0 && group % QK == 0 && scales.dim() == 3 &&
-              (mins.numel() == 0 || (int4 && mins.sizes() == scales.sizes()) ||
-               (int4 && mins.scalar_type() == at::kInt && mins.size(1) == K / QK)),
-              "dequant_range: tiled int8, int4 or 5-bit, rows in range, a contiguous fp32/bf16 [rows, K] output");
-  const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* M = int4 && mins.numel() && !bits5 ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
-  const uint32_t* H = bits5 ? reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>()) : nullptr;
+  const int64_t N = qweight.size(0);  // rows padded to whole tiles
+  TORCH_CHECK(qweight.is_contiguous() && out.is_contiguous() && out.dim() == 2 && out.size(1) == K &&
+              (bf16 || out.scalar_type() == at::kFloat) && begin >= 0 && begin + n <= N,
+              "dequant_range: rows in range, a contiguous fp32/bf16 [rows, K] output");
+  const QMatrix q = quantized_matrix(qweight, scales, mins, group, N);  // checks every form's layout
+  const int64_t G = q.groups;
+  const uint16_t* S = q.scales;
+  const uint16_t* M = q.kscales ? q.supers : q.mins;
+  const uint32_t* H = q.high;
+  const uint8_t* SK = q.kscales;
   const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
   const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* F = bf16 ? nullptr : out.data_ptr<float>();
@@ -520,7 +565,7 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
     std::vector<float> row(bf16 ? K : 0);
     for (int64_t i = lo; i < hi; ++i) {
       float* y = bf16 ? row.data() : F + i * K;
-      dequant_row(W4, W8, S, M, K, G, group, begin + i, y, H);
+      dequant_row(W4, W8, S, M, K, G, group, begin + i, y, H, SK);
       if (bf16)
         for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
     }

@@ -39,12 +39,20 @@ inline float half_to_float(uint16_t h) {
 // The 5-bit grid ((code − 16) · scale: GGUF Q5_0) is the int4 layout of the codes' low nibbles plus
 // their fifth bits (high), one uint32 per row and block of 32 [tiles, blocks, 8], passed in the mins'
 // place (int32 instead of fp16).
+// The K-quant form (GGUF Q4_K, exact): the int4 codes with, per row and group of 32, a 6-bit scale sc
+// and min m as bytes (`kscales`, uint8 [tiles, 2 x groups, 8]: sc then m of each group) and per
+// super-block of 256 the fp16 factors d and dmin (`supers`, passed in the mins' place: fp16
+// [tiles, 2 x super-blocks, 8]); the weight is code · (d·sc) − dmin·m, both products exact in fp32,
+// as llama.cpp computes them: 148 bytes per row and super-block, the file's 144 plus the unpacked sc/m.
+constexpr int64_t K_GROUPS = 8;  // groups of 32 per super-block of 256
 struct QMatrix {
   const uint8_t* w4 = nullptr;
   const int8_t* w8 = nullptr;
   const uint16_t* scales = nullptr;
   const uint16_t* mins = nullptr;
   const uint32_t* high = nullptr;  // 5-bit: the codes' fifth bits
+  const uint8_t* kscales = nullptr;  // K-quant form: sc and m per group
+  const uint16_t* supers = nullptr;  // K-quant form: d and dmin per super-block
   int64_t K = 0, rows = 0, tiles = 0, groups = 0, blocks_per_group = 0;
   int64_t tile_bytes() const { return w4 ? (high ? 5 * K : 4 * K) : 8 * K; }
 };
