@@ -74,3 +74,11 @@ def test_quantized_exports_agree_with_hardy_teacher_forced(mini_compressed, tmp_
     agreement = float((ours == theirs).mean())
     print(f"{qtype}: top-1 agreement {agreement:.4f}")
     assert agreement >= 0.95, f"{qtype}: top-1 agreement {agreement:.3f}"
+
+
+def test_the_installed_llama_cpp_has_no_amx_matmul():
+    """`make test` builds llama.cpp with AMX masked: its AMX matmul dies with SIGILL on the Xeons CI runs
+    on (a multi-token decode killed a pytest worker). A build with AMX reports AMX_INT8 or AMX_BF16 here."""
+    info = llama_cpp.llama_print_system_info().decode()
+    assert "AVX2 = 1" in info or "NEON = 1" in info  # the report is the CPU backend's feature list
+    assert "AMX" not in info, info
