@@ -135,7 +135,7 @@ def test_q5_0_is_the_5_bit_grid_exactly_and_exports_back_to_the_same_bytes(tmp_p
     assert np.array_equal(repack_blocks(q.quant_tensor(), "Q5_0"), np.asarray(t.data).reshape(6, -1))
 
 
-@pytest.mark.parametrize("type_name,half_offsets", [("Q6_K", (208,)), ("Q5_K", (0, 2)), ("Q3_K", (108,))])
+@pytest.mark.parametrize("type_name,half_offsets", [("Q5_K", (0, 2)), ("Q3_K", (108,))])
 def test_other_types_are_requantized_to_int8_within_half_a_step(type_name, half_offsets):
     qtype = gguf.GGMLQuantizationType[type_name]
     t = _fake_tensor(qtype, 4, _random_blocks(qtype, 4, 512, half_offsets, seed=1))
@@ -264,18 +264,39 @@ def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
     assert fast.dtype == torch.float32 and 0 < (fast - exact).norm() / exact.norm() < 1e-2
 
 
-def test_q6_k_in_cpp_equals_the_numpy_requantization():
+def test_q6_k_loads_exactly_in_its_own_form_at_212_bytes_per_256_weights():
+    """Q6_K in the 6-bit K-quant form: every weight equals the `gguf` package's dequantization (llama.cpp's
+    d·sc·(q − 32)) bit for bit on the numpy and C++ paths, held in 212 bytes per super-block (the file's
+    210, d widened to fp32); the kernel's product is the dequantized matrix's within int8 activation
+    rounding, its prefill slab and lookups are the dequantized rows exactly, and its stored tensors
+    are the numpy path's."""
     from hardy.compress import kernels
-    from hardy.formats.gguf_quant import _requantized
+    from hardy.compress.qlinear import QuantLinear
+    from hardy.formats.gguf_quant import INT6_K, _q6_k
+    from hardy.plan.weights import held_bytes
 
-    if kernels.load() is None:
-        pytest.skip("could not import 'hardy kernels': the extension did not build")
     qtype = gguf.GGMLQuantizationType.Q6_K
-    t = _fake_tensor(qtype, 5, _random_blocks(qtype, 5, 768, (208,), seed=3))
-    fast, slow = packed_from_gguf(t, converter=kernels.load()), _requantized(t)
-    assert fast.spec == slow.spec == INT8_G32 and fast.tiled and not slow.tiled
-    assert torch.equal(fast.stored()["qweight"], slow.parts["qweight"])
-    assert torch.equal(fast.stored()["scales"], slow.parts["scales"])
+    t = _fake_tensor(qtype, 11, _random_blocks(qtype, 11, 768, (208,), seed=3))  # 11 rows: a partial tile
+    reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(11, 768))
+    slow = packed_from_gguf(t)
+    assert slow.spec == INT6_K and torch.equal(slow.dequantize(), reference)
+    assert slow.quant_tensor().stored_bits() == 212 * 8 / 256 and held_bytes(INT6_K, 11, 768) == 11 * 3 * 212
+    module = kernels.load()
+    if module is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    fast = packed_from_gguf(t, converter=module)
+    assert fast.tiled and sum(p.numel() * p.element_size() for p in fast.parts.values()) == 16 * 3 * 212
+    for name, tensor in _q6_k(t).parts.items():
+        assert torch.equal(fast.stored()[name], tensor), name
+    layer = QuantLinear(fast)
+    kernels.prepare(layer)
+    assert layer.kernel is not None
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(0))
+    want = x @ reference.T
+    assert (layer(x) - want).abs().max() < 2e-2 * want.abs().max()
+    slab = torch.empty(11, 768)
+    layer.dequant_range(0, slab)
+    assert torch.equal(slab, reference) and torch.equal(layer.lookup(torch.tensor([10, 0])), reference[[10, 0]])
 
 
 def test_q4_k_in_cpp_equals_the_numpy_conversion():

@@ -108,7 +108,7 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
 def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     """The scalar fallback (no vector ISA) and, on a VNNI machine, the AVX2 build (maddubs instead of
     vpdpbusd) agree with the build in use, for groups of 32, wider groups, per-channel scales and the
-    K-quant form (GGUF Q4_K's sc/m bytes and d/dmin)."""
+    K-quant forms (GGUF Q4_K's sc/m bytes and d/dmin; Q6_K's bit planes and scales per 16)."""
     if isa == "avx2" and not ext.has_vnni():
         pytest.skip("the build in use is the AVX2 one (or narrower)")
     check = "not m.has_avx2()" if isa == "generic" else "m.has_avx2() and not m.has_vnni()"
@@ -120,6 +120,7 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
         "[out.__setitem__(f'{b} {s} {y}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
         f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}];"
         f"exec({_K_FORM!r}); out['K'] = kernels.make_kernel(QuantLinear(k_form(g)), m)(x[:, :512]).tolist();"
+        "out['K6'] = kernels.make_kernel(QuantLinear(k6_form(g)), m)(x[:, :512]).tolist();"
         "print(json.dumps(out))")
     env = dict(os.environ, HARDY_KERNEL_ISA=isa, HARDY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -134,10 +135,12 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     namespace = {"torch": torch, "QuantSpec": QuantSpec, "QuantTensor": QuantTensor}
     exec(_K_FORM, namespace)
     k_tensor = namespace["k_form"](g)
-    ours = kernels.make_kernel(QuantLinear(k_tensor), ext)(x[:, :512])
-    assert torch.allclose(torch.tensor(narrow["K"]), ours, rtol=1e-5, atol=1e-5)
-    want = x[:, :512] @ k_tensor.dequantize().T  # and the form computes its own dequantized weights
-    assert (ours - want).abs().max() < 2e-2 * want.abs().max()
+    for key, make in (("K", "k_form"), ("K6", "k6_form")):
+        k_tensor = k_tensor if key == "K" else namespace[make](g)
+        ours = kernels.make_kernel(QuantLinear(k_tensor), ext)(x[:, :512])
+        assert torch.allclose(torch.tensor(narrow[key]), ours, rtol=1e-5, atol=1e-5), key
+        want = x[:, :512] @ k_tensor.dequantize().T  # and the form computes its own dequantized weights
+        assert (ours - want).abs().max() < 2e-2 * want.abs().max(), key
 
 
 # A random matrix in the K-quant form (GGUF Q4_K's): codes, 6-bit sc and m, fp16 d and dmin per 256.
@@ -148,6 +151,13 @@ def k_form(g, rows=64, cols=512):
     supers = (torch.rand(rows, cols // 256, 2, generator=g) * 4e-3 + 1e-4).half()
     return QuantTensor(ints(16, rows, cols), ints(64, rows, cols // 32), ints(64, rows, cols // 32),
                        QuantSpec(4, 32, False, super_block=256), supers)
+
+
+def k6_form(g, rows=64, cols=512):  # GGUF Q6_K's: 6-bit codes, an int8 scale per 16, d per 256
+    codes = torch.randint(0, 64, (rows, cols), generator=g, dtype=torch.int64).to(torch.uint8)
+    scales = torch.randint(-128, 128, (rows, cols // 16), generator=g, dtype=torch.int64).to(torch.int8)
+    d = (torch.rand(rows, cols // 256, generator=g) * 1e-3 + 1e-5).half().float()
+    return QuantTensor(codes, scales, None, QuantSpec(6, 16, True, super_block=256), d)
 """
 
 

@@ -91,6 +91,8 @@ def kernel_group(layer) -> int:
 
 def supports(layer) -> bool:
     spec, cols = layer.spec, layer.in_features
+    if spec.bits == 6:  # the 6-bit K-quant form (GGUF Q6_K): its own tile, scales per 16 values
+        return bool(spec.super_block) and cols % spec.super_block == 0
     if cols % 32 or kernel_group(layer) % 32:
         return False
     # int4: with mins (Q4_1 grid) or without (Q4_0); 5-bit: symmetric (Q5_0); int8: symmetric (Q8_0)

@@ -11,9 +11,12 @@ read from the memory-mapped file one tensor at a time: no float copy of the mode
   Q4_K        -> int4 in the K-quant form (hardy.formats.quantized): exact. The codes unchanged, each
                  sub-block's 6-bit scale and min unpacked to a byte, d and dmin as they are: 148 bytes
                  per 256 weights against the file's 144.
+  Q6_K        -> 6-bit in the K-quant form (hardy.formats.quantized): exact. The codes as low nibbles
+                 and two bit planes, the int8 sub-block scales and d as they are: 212 bytes per 256
+                 weights against the file's 210.
   any other   -> int8 symmetric, group 32, re-quantized from the `gguf` package's dequantized
-  quantized      values (Q5_*, Q6_K, Q2_K, Q3_K, IQ*): at most half an int8 step of error per
-  type           weight (Q6_K's own step is ~4× coarser), ~1.06 bytes per weight in memory.
+  quantized      values (Q5_*, Q2_K, Q3_K, IQ*): at most half an int8 step of error per
+  type           weight, ~1.06 bytes per weight in memory.
 F32/F16/BF16 tensors and 1-D ones (norms) stay float, as in the file.
 """
 from __future__ import annotations
@@ -30,9 +33,10 @@ from hardy.formats.names import unpermute_qk
 from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn, untile_codes
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "exact"}
+EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "exact", "Q6_K": "exact"}
 INT4_G32 = QuantSpec(4, 32, False)
 INT4_K = QuantSpec(4, 32, False, super_block=256)
+INT6_K = QuantSpec(6, 16, True, super_block=256)
 INT4_SYM_G32 = QuantSpec(4, 32, True)
 INT8_G32 = QuantSpec(8, 32, True)
 INT5_G32 = QuantSpec(5, 32, True)
@@ -151,6 +155,19 @@ def _q4_k(t) -> PackedQuant:
     return PackedQuant({"qweight": pack_int4(codes), "scales": scales, "mins": supers}, INT4_K, (rows, cols))
 
 
+def _q6_k(t) -> PackedQuant:
+    """Q6_K super-blocks (ql[128], qh[64], int8 scales[16], fp16 d) as 6-bit codes, as llama.cpp's
+    dequantize_row_q6_K reads them, with the int8 scale of each 16 values and d (as fp32)."""
+    blocks, rows, cols = _blocks(t, 256, 210)
+    ql, qh = blocks[:, :, :128].reshape(rows, -1, 2, 64), blocks[:, :, 128:192].reshape(rows, -1, 2, 32)
+    low = np.concatenate([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    codes = torch.from_numpy((low | (high << 4)).reshape(rows, cols).astype(np.uint8))
+    scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).reshape(rows, -1).copy())
+    d = _half(blocks, 208).float()
+    return PackedQuant({"qweight": codes, "scales": scales, "mins": d}, INT6_K, (rows, cols))
+
+
 REQUANT_ROWS = 2048  # rows dequantized at a time: a 128k-row Q6_K head never exists whole in fp32
 
 
@@ -212,7 +229,7 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(blocks.reshape(rows, -1))
     order = torch.arange(rows) if order is None else order
-    spec = {"Q6_K": INT8_G32, "Q4_K": INT4_K, "Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[name]
+    spec = {"Q6_K": INT6_K, "Q4_K": INT4_K, "Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[name]
     n_out = order.numel()
     step = max(8, CONVERT_PART_BYTES // max(1, raw.shape[1]) // 8 * 8)  # whole tiles of 8 rows per part
     parts = None
@@ -238,7 +255,7 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
 
 def _convert_rows(module, name: str, raw: torch.Tensor, order: torch.Tensor) -> list[torch.Tensor]:
     """The converter's tensors (qweight, scales[, mins]) for the file's rows `order`, in that order."""
-    if name == "Q6_K":  # re-quantized to int8 g32 (the table above): only the rows wanted, in their order
+    if name == "Q6_K":  # the 6-bit form (the table above): only the rows wanted, in their order
         return list(module.q6k_to_tiled(raw[order].contiguous()))
     if name == "Q4_K":
         return list(module.q4k_to_tiled(raw, order))
@@ -299,7 +316,9 @@ def _column_slice(q: PackedQuant, t, tp: TPSlice) -> PackedQuant:
     parts = {"qweight": stored["qweight"][:, c0 // per_byte:c1 // per_byte].contiguous()}
     # columns per stored entry: a group of 32 (the K-quant form: sc and m of a group, 16 columns each;
     # d and dmin of a super-block of 256, 128 each)
-    per_entry = {"scales": 16, "mins": 128} if q.spec.super_block else {"scales": 32, "mins": 32}
+    per_entry = {"scales": 32, "mins": 32}
+    if q.spec.super_block:
+        per_entry = {"scales": 16, "mins": 256 if q.spec.symmetric else 128}
     for name, width in per_entry.items():
         if name in stored:
             parts[name] = stored[name][:, c0 // width:c1 // width].contiguous()
@@ -323,6 +342,8 @@ def _packed_in_file_order(t) -> PackedQuant:
         return _q5_0(t)
     if name == "Q4_K":
         return _q4_k(t)
+    if name == "Q6_K":
+        return _q6_k(t)
     return _requantized(t)
 
 
@@ -330,10 +351,10 @@ def check_unpacks(q: PackedQuant, where: str) -> None:
     """Shapes agree with the spec (what QuantTensor.from_packed checks, without unpacking 8-bit)."""
     rows, cols = q.shape
     groups = q.spec.groups(cols)
-    per_row = 2 * groups if q.spec.super_block else groups  # the K-quant form: sc and m per group
+    per_row = 2 * groups if q.spec.super_block and not q.spec.symmetric else groups  # 4-bit K: sc and m per group
     if q.tiled:
         padded = -(-rows // 8) * 8
-        want, want_scales = (padded, cols // 2 if q.spec.bits == 4 else cols), (padded // 8, per_row, 8)
+        want, want_scales = (padded, cols // 2 if q.spec.bits in (4, 6) else cols), (padded // 8, per_row, 8)
     else:
         want, want_scales = ((rows, cols // 2) if q.spec.bits == 4 else (rows, cols)), (rows, per_row)
     if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != want_scales:
@@ -349,4 +370,6 @@ def spec_for(type_name: str) -> QuantSpec:
         return INT5_G32
     if type_name == "Q4_K":
         return INT4_K
+    if type_name == "Q6_K":
+        return INT6_K
     return INT4_G32 if type_name == "Q4_1" else INT8_G32

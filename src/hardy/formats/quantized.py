@@ -9,8 +9,10 @@ Three grids, each chosen so that llama.cpp's blocks are the same numbers:
 so hardy's int8/int4 tensors repack into GGUF blocks losslessly.
 The K-quant form (`super_block` 256: GGUF Q4_K, exact) stores each group's scale and min as 6-bit
 integers sc and m and each super-block's fp16 factors d and dmin:
-  w = code · (d·sc) − dmin·m,  code ∈ [0, 15]   (both products exact in fp32, as llama.cpp has them) A group is `group_size`
-consecutive input columns of one output row (group 0 = the whole row: per-channel).
+  w = code · (d·sc) − dmin·m,  code ∈ [0, 15]   (both products exact in fp32, as llama.cpp has them)
+and its 6-bit symmetric variant (GGUF Q6_K, exact) an int8 sc per 16 values and fp16 d per super-block:
+  w = (code − 32) · (d·sc),    code ∈ [0, 63]
+A group is `group_size` consecutive input columns of one output row (group 0 = the whole row: per-channel).
 4-bit codes are packed two per byte in blocks of 32 columns: byte j of a block holds code j in its
 low nibble and code j + 16 in its high nibble (GGUF's Q4 order). 3-bit codes are kept one per byte
 (the size they would have packed is reported; their accuracy is what is evaluated), and so are 5-bit
@@ -32,13 +34,15 @@ class QuantSpec:
     bits: int
     group_size: int = 0  # 0: one group per output row
     symmetric: bool | None = None  # default: symmetric for 8 bits, asymmetric below
-    super_block: int = 0  # 256: the K-quant form (module docstring); 0: fp16 scales and mins per group
+    super_block: int = 0  # 256: a K-quant form (module docstring); 0: fp16 scales and mins per group
 
     def __post_init__(self):
-        if self.super_block and (self.bits, self.group_size, self.symmetric, self.super_block) != (4, 32, False, 256):
-            raise HardyError(f"the K-quant form is 4-bit, asymmetric, groups of 32 in super-blocks of 256 "
-                             f"(got {self.bits}-bit, group {self.group_size}, super-block {self.super_block})")
-        if self.bits not in (8, 5, 4, 3):
+        k_form = (self.bits, self.group_size, self.symmetric, self.super_block)
+        if self.super_block and k_form not in ((4, 32, False, 256), (6, 16, True, 256)):
+            raise HardyError(f"the K-quant forms are 4-bit asymmetric in groups of 32 or 6-bit symmetric in groups "
+                             f"of 16, in super-blocks of 256 (got {self.bits}-bit, group {self.group_size}, "
+                             f"super-block {self.super_block})")
+        if self.bits not in (8, 5, 4, 3) and not (self.bits == 6 and self.super_block):  # 6: GGUF Q6_K's form only
             raise HardyError(f"--bits must be 8, 5, 4 or 3 (got {self.bits})")
         if self.group_size < 0 or (self.group_size and self.group_size % PACK_BLOCK and self.bits == 4):
             raise HardyError(f"--group-size must be 0 (per channel) or a multiple of {PACK_BLOCK} (got {self.group_size})")
@@ -129,6 +133,8 @@ class QuantTensor:
         if not self.spec.super_block:
             return self.scale.float(), None if self.mins is None else self.mins.float()
         per = self.spec.super_block // self.spec.group_size
+        if self.spec.symmetric:  # the 6-bit form: d only
+            return self.supers.float().repeat_interleave(per, dim=1) * self.scale.float(), None
         d, dmin = (f.repeat_interleave(per, dim=1) for f in self.supers.float().unbind(-1))
         return d * self.scale.float(), -(dmin * self.mins.float())
 
@@ -148,6 +154,9 @@ class QuantTensor:
             qweight = pack_int4(self.codes)
         else:
             qweight = self.codes.to(self.spec.code_dtype)
+        if self.spec.super_block and self.spec.symmetric:  # codes one per byte, int8 sc, d widened to fp32
+            return {"qweight": qweight.contiguous(), "scales": self.scale.to(torch.int8).contiguous(),
+                    "mins": self.supers.float().contiguous()}
         if self.spec.super_block:
             scales = torch.stack((self.scale, self.mins), dim=-1).to(torch.uint8).reshape(self.shape[0], -1)
             return {"qweight": qweight.contiguous(), "scales": scales,
@@ -177,6 +186,12 @@ class QuantTensor:
     @classmethod
     def _k_form(cls, codes, scales, mins, spec: QuantSpec, shape) -> "QuantTensor":
         rows, cols = shape
+        if spec.symmetric:
+            if (tuple(codes.shape) != tuple(shape) or cols % spec.super_block or scales.dtype != torch.int8
+                    or tuple(scales.shape) != (rows, cols // spec.group_size) or mins is None
+                    or tuple(mins.shape) != (rows, cols // spec.super_block)):
+                raise KeyError("shape")
+            return cls(codes=codes, scale=scales, mins=None, spec=spec, supers=mins.float())
         if (tuple(codes.shape) != tuple(shape) or cols % spec.super_block or scales.dtype != torch.uint8
                 or tuple(scales.shape) != (rows, 2 * cols // spec.group_size) or mins is None
                 or tuple(mins.shape) != (rows, 2 * cols // spec.super_block)):
@@ -188,8 +203,10 @@ class QuantTensor:
     def stored_bits(self) -> float:
         """Bits per weight including scales and mins (3-bit codes counted as if packed)."""
         n = self.codes.numel()
-        if self.spec.super_block:  # a byte each for sc and m, fp16 d and dmin
-            return (self.spec.bits * n + 8 * 2 * self.scale.numel() + 16 * self.supers.numel()) / n
+        if self.spec.super_block:  # a byte each for sc (and m); fp16 d and dmin, or d held as fp32
+            per_sc = 8 if self.spec.symmetric else 16
+            return (self.spec.bits * n + per_sc * self.scale.numel() + 8 * self.supers.element_size()
+                    * self.supers.numel()) / n
         extra = 16 * self.scale.numel() * (1 if self.mins is None else 2)
         return (self.spec.bits * n + extra) / n
 
@@ -257,7 +274,14 @@ def tile_codes(stored: dict[str, torch.Tensor], bits: int = 0) -> dict[str, torc
     tile's row bytes as 4-byte chunks of its 8 rows in turn, scales and mins [tiles, groups, 8] (no
     mins on a symmetric grid). A byte permutation: nothing is re-quantized, and `untile_codes`
     restores the stored tensors exactly. `bits` 5: codes one per byte become their low nibbles in the
-    int4 layout and `high`, each row's fifth bits per block of 32 as one int32 [tiles, blocks, 8]."""
+    int4 layout and `high`, each row's fifth bits per block of 32 as one int32 [tiles, blocks, 8].
+    `bits` 6 (the 6-bit K-quant form): the low nibbles likewise, and `mins` becomes the fifth and
+    sixth bit planes and d (fp32 bits), int32 [tiles, 2 x blocks + super-blocks, 8]."""
+    if bits == 6:
+        codes, d = stored["qweight"], stored["mins"]
+        rows = codes.shape[0]
+        aux = torch.cat([_bit_plane(codes, 4), _bit_plane(codes, 5), d.float().contiguous().view(torch.int32)], dim=1)
+        return tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"], "mins": aux})
     if bits == 5:
         codes = stored["qweight"]
         rows, cols = codes.shape
@@ -279,6 +303,27 @@ def tile_codes(stored: dict[str, torch.Tensor], bits: int = 0) -> dict[str, torc
     return out
 
 
+def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit `bit` of every code, one int32 per row and block of 32 in the tile loop's order [rows, blocks]."""
+    rows, cols = codes.shape
+    plane = (((codes >> bit) & 1).to(torch.int64).view(rows, cols // PACK_BLOCK, PACK_BLOCK) << FIFTH_BIT_AT).sum(-1)
+    return plane.to(torch.int32)
+
+
+def _from_bit_planes(low: torch.Tensor, plane: torch.Tensor, bit: int) -> torch.Tensor:
+    """Codes with bit `bit` set from a plane [rows, blocks] (the inverse of _bit_plane)."""
+    bits = ((plane.to(torch.int64) & 0xFFFFFFFF)[:, :, None] >> FIFTH_BIT_AT) & 1
+    return low | (bits.reshape(low.shape) << bit).to(torch.uint8)
+
+
+def _with_six_bits(nibbles: dict[str, torch.Tensor], aux: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The 6-bit form's stored tensors (codes one per byte, int8 scales, fp32 d) from the kernel's."""
+    low = unpack_int4(nibbles["qweight"])
+    nb = low.shape[1] // PACK_BLOCK
+    codes = _from_bit_planes(_from_bit_planes(low, aux[:, :nb], 4), aux[:, nb:2 * nb], 5)
+    return {"qweight": codes, "scales": nibbles["scales"], "mins": aux[:, 2 * nb:].contiguous().view(torch.float32)}
+
+
 def _with_fifth_bits(nibbles: dict[str, torch.Tensor], high: torch.Tensor) -> dict[str, torch.Tensor]:
     """Stored 5-bit codes (one per byte) from the low nibbles' stored layout and rows' fifth bits [rows, blocks]."""
     low = unpack_int4(nibbles["qweight"])
@@ -296,6 +341,8 @@ def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, 
     for name in ("scales", "mins"):
         if name in tiled:
             out[name] = tiled[name][tile, :, lane]
+    if tiled.get("scales") is not None and tiled["scales"].dtype == torch.int8 and "mins" in tiled:  # 6-bit form
+        return _with_six_bits(out, out.pop("mins"))
     if "high" in tiled:
         return _with_fifth_bits(out, tiled["high"][tile, :, lane])
     return out
@@ -310,6 +357,8 @@ def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.T
         if name in tiled:
             out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
     out = {name: t[:rows] for name, t in out.items()}
+    if tiled.get("scales") is not None and tiled["scales"].dtype == torch.int8 and "mins" in tiled:  # 6-bit form
+        return _with_six_bits(out, out.pop("mins"))
     if "high" in tiled:
         return _with_fifth_bits(out, tiled["high"].transpose(1, 2).reshape(padded, -1)[:rows])
     return out

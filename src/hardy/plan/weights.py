@@ -33,8 +33,8 @@ def held_bytes(spec: QuantSpec, rows: int, cols: int) -> float:
     per group, or the K-quant form's byte each of sc and m per group and fp16 d and dmin per
     super-block (rows of int4 padded to whole tiles of 8 are ignored: < 0.1% at real sizes)."""
     groups = spec.groups(cols)
-    if spec.super_block:
-        return rows * (cols * spec.bits / 8 + 2 * groups + 4 * cols / spec.super_block)
+    if spec.super_block:  # 4-bit: sc and m bytes, fp16 d and dmin; 6-bit: an int8 sc per 16, d as fp32
+        return rows * (cols * spec.bits / 8 + (1 if spec.symmetric else 2) * groups + 4 * cols / spec.super_block)
     per_group = 2 * (1 if spec.symmetric else 2)
     return rows * (cols * spec.bits / 8 + groups * per_group)
 

@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &MoEExperts::operator(), "x [T, dim], experts [T, k] int64, weights [T, k] -> [T, dim]");
   m.def("q4_gguf_to_tiled", &q4_gguf_to_tiled, "GGUF Q4_0/Q4_1 blocks -> tiled int4 (qweight, scales, mins)");
   m.def("q8_gguf_to_tiled", &q8_gguf_to_tiled, "GGUF Q8_0 blocks -> tiled int8 codes and fp16 scales");
-  m.def("q6k_to_tiled", &q6k_to_tiled, "GGUF Q6_K blocks -> tiled int8 g32 codes and fp16 scales (RTN)");
+  m.def("q6k_to_tiled", &q6k_to_tiled, "GGUF Q6_K blocks -> the tiled 6-bit K-quant form (nibbles, int8 scales, bit planes and d)");
   m.def("q4k_to_tiled", &q4k_to_tiled, "GGUF Q4_K blocks -> the tiled K-quant form (qweight, sc/m bytes, d/dmin)");
   m.def("has_vnni", &built_with_vnni);
   m.def("has_avx2", &built_with_avx2);

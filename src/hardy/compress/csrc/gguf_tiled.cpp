@@ -98,65 +98,66 @@ std::vector<at::Tensor> q8_gguf_to_tiled(at::Tensor blocks, at::Tensor order) {
   return {codes, scales};
 }
 
-// GGUF Q6_K super-blocks (ql[128], qh[64], int8 scales[16], fp16 d; 256 values each) into hardy's
-// int8 g32 in the kernel's tiled layout: values d·sc·(q − 32) as llama.cpp's dequantize_row_q6_K computes them (fp32), then
-// round-to-nearest on the symmetric int8 grid per 32 values with rtn's arithmetic (scale =
-// fp16(max|v| / 127), code = round-half-even(v / scale)), so the result equals the Python path.
+// GGUF Q6_K super-blocks (ql[128], qh[64], int8 scales[16], fp16 d; 256 values each) into the 6-bit
+// K-quant form (qgemv.h), rows in their order: each value's 6-bit code as llama.cpp's
+// dequantize_row_q6_K reads it, split into the int4 layout's low nibbles and two bit planes; the 16
+// scales and d copied (d widened to fp32, exactly) — nothing is rounded.
 std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks) {
   check_on_cpu({blocks}, "a GGUF conversion");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
               blocks.size(1) % 210 == 0, "q6k_to_tiled: contiguous uint8 [rows, super-blocks x 210]");
-  const int64_t rows = blocks.size(0), nb = blocks.size(1) / 210, K = nb * 256, G = K / QK;
-  auto codes = at::zeros({(rows + 7) / 8 * 8, K}, at::kChar);
-  auto scales = at::zeros({(rows + 7) / 8, G, 8}, at::kHalf);
+  const int64_t rows = blocks.size(0), nsb = blocks.size(1) / 210, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
+  const int64_t aux_rows = 2 * nb + nsb;
+  auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
+  auto scales = at::zeros({tiles, 2 * nb, 8}, at::kChar);
+  auto aux = at::zeros({tiles, aux_rows, 8}, at::kInt);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* C = reinterpret_cast<uint8_t*>(codes.data_ptr<int8_t>());
-  at::Half* S = scales.data_ptr<at::Half>();
+  uint8_t* Q = q.data_ptr<uint8_t>();
+  int8_t* SC = scales.data_ptr<int8_t>();
+  uint32_t* A = reinterpret_cast<uint32_t*>(aux.data_ptr<int32_t>());
   at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
-    float y[256];
+    uint8_t codes[256];
     for (int64_t r = lo; r < hi; ++r) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = src + (r * nb + b) * 210;
+      const int64_t tile = r / 8, lane = r % 8;
+      uint32_t* a = A + tile * aux_rows * 8 + lane;
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t* blk = src + (r * nsb + sb) * 210;
         const uint8_t* ql = blk;
         const uint8_t* qh = blk + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        for (int n = 0; n < 2; ++n)  // two halves of 128 values, as dequantize_row_q6_K walks them
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t* L = ql + 64 * n;
+            const uint8_t h = qh[32 * n + l];
+            codes[128 * n + l] = (uint8_t)((L[l] & 0xF) | ((h >> 0) & 3) << 4);
+            codes[128 * n + l + 32] = (uint8_t)((L[l + 32] & 0xF) | ((h >> 2) & 3) << 4);
+            codes[128 * n + l + 64] = (uint8_t)((L[l] >> 4) | ((h >> 4) & 3) << 4);
+            codes[128 * n + l + 96] = (uint8_t)((L[l + 32] >> 4) | ((h >> 6) & 3) << 4);
+          }
         uint16_t dh;
         std::memcpy(&dh, blk + 208, 2);
         const float d = half_to_float(dh);
-        for (int n = 0; n < 2; ++n) {  // two halves of 128 values
-          float* out = y + 128 * n;
-          const uint8_t* l = ql + 64 * n;
-          const uint8_t* h = qh + 32 * n;
-          const int8_t* s = sc + 8 * n;
-          for (int i = 0; i < 32; ++i) {
-            const int is = i / 16;
-            const int q1 = (int)((l[i] & 0xF) | (((h[i] >> 0) & 3) << 4)) - 32;
-            const int q2 = (int)((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
-            out[i] = d * s[is + 0] * q1;
-            out[i + 32] = d * s[is + 2] * q2;
-            out[i + 64] = d * s[is + 4] * q3;
-            out[i + 96] = d * s[is + 6] * q4;
+        std::memcpy(a + (2 * nb + sb) * 8, &d, 4);
+        for (int j = 0; j < 8; ++j) {
+          const int64_t b = sb * 8 + j;
+          const uint8_t* c = codes + 32 * j;
+          uint8_t stored[16];
+          uint32_t five = 0, six = 0;
+          for (int i = 0; i < 16; ++i) stored[i] = (uint8_t)((c[i] & 15) | ((c[i + 16] & 15) << 4));
+          for (int i = 0; i < 32; ++i) {  // bit 8·(i%4) + 2·((i%16)/4) + i/16: where the tile loop reads it
+            const int at = 8 * (i % 4) + 2 * ((i % 16) / 4) + i / 16;
+            five |= (uint32_t)((c[i] >> 4) & 1) << at;
+            six |= (uint32_t)((c[i] >> 5) & 1) << at;
           }
-        }
-        for (int g = 0; g < 256 / QK; ++g) {
-          const float* v = y + g * QK;
-          float amax = 0.f;
-          for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-          const at::Half sh = at::Half(amax / 127.f);
-          float scale = (float)sh;
-          if (scale == 0.f) scale = 1.f;
-          S[((r / 8) * G + b * 8 + g) * 8 + r % 8] = at::Half(scale);
-          int8_t c[QK];
-          for (int i = 0; i < QK; ++i)
-            c[i] = (int8_t)std::min(127.f, std::max(-127.f, std::nearbyint(v[i] / scale)));
-          put_tiled<8>(C + (r / 8) * 8 * K + (b * 8 + g) * 256, r % 8, reinterpret_cast<const uint8_t*>(c));
+          put_tiled(Q + tile * 4 * K + b * 128, lane, stored);
+          a[b * 8] = five;
+          a[(nb + b) * 8] = six;
+          SC[(tile * 2 * nb + 2 * b) * 8 + lane] = (int8_t)blk[192 + 2 * j];
+          SC[(tile * 2 * nb + 2 * b + 1) * 8 + lane] = (int8_t)blk[192 + 2 * j + 1];
         }
       }
     }
   });
-  return {codes, scales};
+  return {q, scales, aux};
 }
 
 // GGUF Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of

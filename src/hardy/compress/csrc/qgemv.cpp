@@ -271,6 +271,95 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   std::memcpy(y, out, valid * sizeof(float));
 }
 
+// The 6-bit K-quant tile (qgemv.h): per block, the low nibbles' products with x as int4's, the fifth and
+// sixth bits added in place (16 and 32), each half block's sum (codes 0-15 in the low nibbles, 16-31 in
+// the high ones) less 32 · that half's Σx, times d·sc of the half.
+inline int six_bit_code(const uint8_t* W, const uint32_t* H5, const uint32_t* H6, int64_t b, int r, int j) {
+  const uint8_t byte = W[b * 128 + 32 * ((j % 16) / 4) + 4 * r + j % 4];
+  const int low = j < 16 ? (byte & 0x0f) : (byte >> 4);
+  return low | fifth_bit(H5[8 * b + r], j) << 4 | fifth_bit(H6[8 * b + r], j) << 5;
+}
+
+// HS: 32 · Σx of each half block of this row of x [blocks, 2] (half_sums), the codes' offset term.
+inline void half_sums(const int8_t* xq, int64_t nb, int32_t* hs) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int h = 0; h < 2; ++h) {
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) s += xq[b * QK + 16 * h + j];
+      hs[2 * b + h] = 32 * s;
+    }
+}
+
+inline void q6_tile8(const uint8_t* W, const int8_t* SC, const uint32_t* H5, const uint32_t* H6, const float* D,
+                     const int8_t* xq, const float* dx, const int32_t* HS, int64_t nb, float* y, int64_t valid) {
+  float out[8];
+#ifdef HARDY_AVX2
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = W + b * 128;
+    _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES + 64), _MM_HINT_T0);
+    const int8_t* x = xq + b * QK;
+    const __m256i h5 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H5 + 8 * b));
+    const __m256i h6 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H6 + 8 * b));
+    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+    auto chunk = [&](int c, __m256i top0, __m256i top1) {
+      int32_t lo4, hi4;
+      std::memcpy(&lo4, x + 4 * c, 4);
+      std::memcpy(&hi4, x + 16 + 4 * c, 4);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+      d0 = dot_acc(d0, _mm256_or_si256(_mm256_and_si256(v, low), top0), _mm256_set1_epi32(lo4));
+      d1 = dot_acc(d1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), top1), _mm256_set1_epi32(hi4));
+    };
+    auto top = [&](auto five, auto six) { return _mm256_or_si256(five, _mm256_add_epi8(six, six)); };
+    chunk(0, top(fifth_bits<0>(h5), fifth_bits<0>(h6)), top(fifth_bits<1>(h5), fifth_bits<1>(h6)));
+    chunk(1, top(fifth_bits<2>(h5), fifth_bits<2>(h6)), top(fifth_bits<3>(h5), fifth_bits<3>(h6)));
+    chunk(2, top(fifth_bits<4>(h5), fifth_bits<4>(h6)), top(fifth_bits<5>(h5), fifth_bits<5>(h6)));
+    chunk(3, top(fifth_bits<6>(h5), fifth_bits<6>(h6)), top(fifth_bits<7>(h5), fifth_bits<7>(h6)));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(d0, _mm256_set1_epi32(HS[2 * b])));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(d1, _mm256_set1_epi32(HS[2 * b + 1])));
+    const __m256 d = _mm256_loadu_ps(D + 8 * (b / K_GROUPS));
+    const __m256 s_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(SC + 16 * b)))));
+    const __m256 s_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(SC + 16 * b + 8)))));
+    acc = _mm256_fmadd_ps(_mm256_fmadd_ps(lo, s_lo, _mm256_mul_ps(hi, s_hi)), _mm256_set1_ps(dx[b]), acc);
+  }
+  _mm256_storeu_ps(out, acc);
+#else
+  for (int r = 0; r < 8; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = D[8 * (b / K_GROUPS) + r];
+      float part = 0.f;
+      for (int h = 0; h < 2; ++h) {
+        int32_t dot = 0;
+        for (int j = 16 * h; j < 16 * h + 16; ++j) dot += six_bit_code(W, H5, H6, b, r, j) * xq[b * QK + j];
+        part += (float)(dot - HS[2 * b + h]) * (d * (float)SC[16 * b + 8 * h + r]);
+      }
+      acc += dx[b] * part;
+    }
+    out[r] = acc;
+  }
+#endif
+  std::memcpy(y, out, valid * sizeof(float));
+}
+
+// Row r of a 6-bit K-quant matrix as float: (code − 32) · (d·sc), as llama.cpp's dequantize_row_q6_K.
+static void dequant_row6(const QMatrix& m, int64_t r, float* y) {
+  const int64_t nb = m.K / QK, tile = r / 8;
+  const int lane = r % 8;
+  const uint8_t* W = m.w4 + tile * 4 * m.K;
+  const uint32_t* H5 = m.high + tile * (2 * nb + nb / K_GROUPS) * 8;
+  const uint32_t* H6 = H5 + nb * 8;
+  const float* D = reinterpret_cast<const float*>(H5 + 2 * nb * 8);
+  const int8_t* SC = m.k6scales + tile * 2 * nb * 8;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int j = 0; j < QK; ++j) {
+      const float scale = D[8 * (b / K_GROUPS) + lane] * (float)SC[16 * b + 8 * (j / 16) + lane];
+      y[b * QK + j] = (float)(six_bit_code(W, H5, H6, b, lane, j) - 32) * scale;
+    }
+}
+
 // int8 weights (symmetric codes, an fp16 scale per (row, group)) in the same tiled layout as int4
 // (hardy.compress.kernels.tile_codes): rows in tiles of 8, each tile's block of 32 columns as 256
 // bytes where bytes [32c + 4r, 32c + 4r + 4) are row r's codes 4c..4c+3, scales [tiles, groups, 8].
@@ -360,6 +449,22 @@ QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, co
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && m.K % QK == 0 && qweight.size(0) % 8 == 0 &&
               rows <= qweight.size(0) && qweight.size(0) < rows + 8 && (int4 || qweight.scalar_type() == at::kChar),
               "quantized weights: contiguous uint8 (int4) or int8 [rows rounded up to 8, K/2 or K] in the tiled layout");
+  if (int4 && scales.scalar_type() == at::kChar) {  // the 6-bit K-quant form (qgemv.h)
+    m.tiles = qweight.size(0) / 8;
+    m.groups = m.K / QK;  // per block (its two halves' scales); group_sums is not used by this form
+    m.blocks_per_group = 1;
+    const int64_t nb = m.K / QK;
+    TORCH_CHECK(group == 16 && nb % K_GROUPS == 0 && scales.is_contiguous() && scales.dim() == 3 &&
+                scales.size(0) == m.tiles && scales.size(1) == 2 * nb && scales.size(2) == 8 &&
+                mins.scalar_type() == at::kInt && mins.is_contiguous() && mins.dim() == 3 && mins.size(0) == m.tiles &&
+                mins.size(1) == 2 * nb + nb / K_GROUPS && mins.size(2) == 8,
+                "6-bit K-quant form: group 16, whole super-blocks of 256, int8 scales [tiles, 2 x blocks, 8] and "
+                "int32 bit planes and d [tiles, 2 x blocks + super-blocks, 8]");
+    m.w4 = qweight.data_ptr<uint8_t>();
+    m.k6scales = scales.data_ptr<int8_t>();
+    m.high = reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>());
+    return m;
+  }
   TORCH_CHECK(group > 0 && group % QK == 0, "a group width that is a multiple of 32, not ", group);
   m.tiles = qweight.size(0) / 8;
   m.groups = (m.K + group - 1) / group;
@@ -413,6 +518,18 @@ void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const
     const uint8_t* W = m.w4;
     prefetch_start(W + begin * 4 * K, (end - begin) * 4 * K);
     // the grid, chosen once per matrix
+    if (m.k6scales) {  // per tile: the planes and d [2 x blocks + super-blocks, 8], the scales [2 x blocks, 8]
+      const int64_t aux = (2 * nb + nb / K_GROUPS) * 8;
+      std::vector<int32_t> hs(T * 2 * nb);  // once per call, not per tile
+      for (int64_t t = 0; t < T; ++t) half_sums(XQ + t * K, nb, hs.data() + t * 2 * nb);
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t* H5 = m.high + i * aux;
+        for (int64_t t = 0; t < T; ++t)
+          q6_tile8(W + i * 4 * K, m.k6scales + i * 2 * nb * 8, H5, H5 + nb * 8, reinterpret_cast<const float*>(H5 + 2 * nb * 8),
+                   XQ + t * K, DX + t * nb, hs.data() + t * 2 * nb, nb, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8));
+      }
+      return;
+    }
     if (m.kscales) {  // per tile: 16 bytes of sc/m per group, 16 halves of d/dmin per super-block
       for (int64_t i = begin; i < end; ++i)
         for (int64_t t = 0; t < T; ++t)
@@ -523,7 +640,7 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0), N = qweight.size(0);
   const QMatrix q = quantized_matrix(qweight, scales, mins, group, N);  // checks every form's layout
   const int64_t G = q.groups;
-  const bool bits5 = q.high != nullptr;
+  const bool bits5 = q.high != nullptr && !q.k6scales;
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
   const uint16_t* S = q.scales;
@@ -534,7 +651,8 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   float* Y = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(R[i] >= 0 && R[i] < N, "row id out of range");
-    dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K, H, q.kscales);
+    if (q.k6scales) dequant_row6(q, R[i], Y + i * K);
+    else dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K, H, q.kscales);
   }
   return out;
 }
@@ -565,7 +683,8 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
     std::vector<float> row(bf16 ? K : 0);
     for (int64_t i = lo; i < hi; ++i) {
       float* y = bf16 ? row.data() : F + i * K;
-      dequant_row(W4, W8, S, M, K, G, group, begin + i, y, H, SK);
+      if (q.k6scales) dequant_row6(q, begin + i, y);
+      else dequant_row(W4, W8, S, M, K, G, group, begin + i, y, H, SK);
       if (bf16)
         for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
     }

@@ -45,6 +45,12 @@ inline float half_to_float(uint16_t h) {
 // [tiles, 2 x super-blocks, 8]); the weight is code · (d·sc) − dmin·m, both products exact in fp32,
 // as llama.cpp computes them: 148 bytes per row and super-block, the file's 144 plus the unpacked sc/m.
 constexpr int64_t K_GROUPS = 8;  // groups of 32 per super-block of 256
+// The 6-bit K-quant form (GGUF Q6_K, exact): codes 0-63 as the int4 layout's low nibbles plus two planes of
+// bits (the fifth and the sixth, each laid out as the 5-bit grid's), an int8 scale sc per 16 values
+// (`k6scales`, int8 [tiles, 2 x blocks, 8]: each block's halves) and per super-block the fp16 d (held as
+// fp32): w = (code − 32) · (d·sc). The planes and d travel in the mins' place as one int32 tensor
+// [tiles, 2 x blocks + super-blocks, 8] (`high`, `high6`, `d6` point into it): 212 bytes per row and
+// super-block against the file's 210.
 struct QMatrix {
   const uint8_t* w4 = nullptr;
   const int8_t* w8 = nullptr;
@@ -53,6 +59,9 @@ struct QMatrix {
   const uint32_t* high = nullptr;  // 5-bit: the codes' fifth bits
   const uint8_t* kscales = nullptr;  // K-quant form: sc and m per group
   const uint16_t* supers = nullptr;  // K-quant form: d and dmin per super-block
+  const int8_t* k6scales = nullptr;  // 6-bit K-quant form: sc per half block
+  const uint32_t* high6 = nullptr;   // 6-bit K-quant form: the codes' sixth bits
+  const float* d6 = nullptr;         // 6-bit K-quant form: d per super-block
   int64_t K = 0, rows = 0, tiles = 0, groups = 0, blocks_per_group = 0;
   int64_t tile_bytes() const { return w4 ? (high ? 5 * K : 4 * K) : 8 * K; }
 };
@@ -79,7 +88,7 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
                    at::Tensor out);
 std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Tensor order);
 std::vector<at::Tensor> q8_gguf_to_tiled(at::Tensor blocks, at::Tensor order);
-std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks);
+std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks);  // the 6-bit K-quant form
 std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order);
 // The vector ISA this build's products use (the build flags decide: hardy.compress.kernels._isa).
 bool built_with_avx2();
