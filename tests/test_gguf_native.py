@@ -93,7 +93,6 @@ def test_q4_k_loads_exactly_in_its_own_form_at_148_bytes_per_256_weights():
     fp32 d·sc·q − dmin·m) bit for bit, held in 148 bytes per super-block (the file's 144 + unpacked sc/m);
     the kernels' product is the dequantized matrix's within int8 activation rounding."""
     from hardy.compress import kernels
-    from hardy.compress.qlinear import QuantLinear
     from hardy.formats.gguf_quant import INT4_K
 
     qtype = gguf.GGMLQuantizationType.Q4_K
@@ -111,14 +110,26 @@ def test_q4_k_loads_exactly_in_its_own_form_at_148_bytes_per_256_weights():
         pytest.skip("could not import 'hardy kernels': the extension did not build")
     fast = packed_from_gguf(t, converter=module)
     assert fast.tiled and torch.equal(fast.dequantize(), reference)
+    _kernel_paths_give(fast, reference)
+
+
+def _kernel_paths_give(fast, reference: torch.Tensor) -> None:
+    """A converted matrix's kernel product is the reference's within int8 activation rounding; its
+    prefill slab and embedding lookups are the reference's rows exactly."""
+    from hardy.compress import kernels
+    from hardy.compress.qlinear import QuantLinear
+
+    rows, cols = reference.shape
     layer = QuantLinear(fast)
     kernels.prepare(layer)
-    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(0))
+    assert layer.kernel is not None
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(0))
     want = x @ reference.T
     assert (layer(x) - want).abs().max() < 2e-2 * want.abs().max()
-    slab = torch.empty(6, 1024)
+    slab = torch.empty(rows, cols)
     layer.dequant_range(0, slab)
-    assert torch.equal(slab, reference) and torch.equal(layer.lookup(torch.tensor([5, 0])), reference[[5, 0]])
+    assert torch.equal(slab, reference)
+    assert torch.equal(layer.lookup(torch.tensor([rows - 1, 0])), reference[[rows - 1, 0]])
 
 
 def test_q5_0_is_the_5_bit_grid_exactly_and_exports_back_to_the_same_bytes(tmp_path):
@@ -271,7 +282,6 @@ def test_q6_k_loads_exactly_in_its_own_form_at_212_bytes_per_256_weights():
     rounding, its prefill slab and lookups are the dequantized rows exactly, and its stored tensors
     are the numpy path's."""
     from hardy.compress import kernels
-    from hardy.compress.qlinear import QuantLinear
     from hardy.formats.gguf_quant import INT6_K, _q6_k
     from hardy.plan.weights import held_bytes
 
@@ -288,15 +298,7 @@ def test_q6_k_loads_exactly_in_its_own_form_at_212_bytes_per_256_weights():
     assert fast.tiled and sum(p.numel() * p.element_size() for p in fast.parts.values()) == 16 * 3 * 212
     for name, tensor in _q6_k(t).parts.items():
         assert torch.equal(fast.stored()[name], tensor), name
-    layer = QuantLinear(fast)
-    kernels.prepare(layer)
-    assert layer.kernel is not None
-    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(0))
-    want = x @ reference.T
-    assert (layer(x) - want).abs().max() < 2e-2 * want.abs().max()
-    slab = torch.empty(11, 768)
-    layer.dequant_range(0, slab)
-    assert torch.equal(slab, reference) and torch.equal(layer.lookup(torch.tensor([10, 0])), reference[[10, 0]])
+    _kernel_paths_give(fast, reference)
 
 
 def test_q4_k_in_cpp_equals_the_numpy_conversion():

@@ -73,6 +73,22 @@ inline __m256i fifth_bits(__m256i h) {  // bit P of every byte, as 16 or 0
 }
 #endif
 
+#ifdef HARDY_AVX2
+// Chunk c of a block of 8 rows (codes 4c..4c+3 in the low nibbles, 16+4c..16+4c+3 in the high ones)
+// against its activations, with the codes' upper bits `top0`/`top1` (0, 16, 32 or 48 per byte) added:
+// the low nibbles' products into d0, the high ones' into d1.
+inline void nibble_chunk(const uint8_t* w, const int8_t* x, int c, __m256i top0, __m256i top1, __m256i& d0,
+                         __m256i& d1) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  int32_t lo4, hi4;
+  std::memcpy(&lo4, x + 4 * c, 4);
+  std::memcpy(&hi4, x + 16 + 4 * c, 4);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+  d0 = dot_acc(d0, _mm256_or_si256(_mm256_and_si256(v, low), top0), _mm256_set1_epi32(lo4));
+  d1 = dot_acc(d1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), top1), _mm256_set1_epi32(hi4));
+}
+#endif
+
 inline int fifth_bit(uint32_t lane, int code) {  // row's fifth bit of `code` from its 32-bit lane
   const int half = code / 16, c = (code % 16) / 4, i = code % 4;
   return (lane >> (8 * i + 2 * c + half)) & 1;
@@ -95,7 +111,6 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   float out[8];
   const float offset = Bits5 ? 16.f : 8.f;
 #ifdef HARDY_AVX2
-  const __m256i low = _mm256_set1_epi8(0x0f);
   __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
   for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
     const int64_t b1 = std::min(nb, b0 + bpg);
@@ -110,14 +125,7 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
         high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H + 8 * b));
         _mm_prefetch(reinterpret_cast<const char*>(H + 8 * b) + PF_BYTES / 4, _MM_HINT_T0);
       }
-      auto chunk = [&](int c, __m256i top0, __m256i top1) {
-        int32_t lo4, hi4;
-        std::memcpy(&lo4, x + 4 * c, 4);
-        std::memcpy(&hi4, x + 16 + 4 * c, 4);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-        d0 = dot_acc(d0, _mm256_or_si256(_mm256_and_si256(v, low), top0), _mm256_set1_epi32(lo4));
-        d1 = dot_acc(d1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), top1), _mm256_set1_epi32(hi4));
-      };
+      auto chunk = [&](int c, __m256i top0, __m256i top1) { nibble_chunk(w, x, c, top0, top1, d0, d1); };
       if constexpr (Bits5) {
         chunk(0, fifth_bits<0>(high), fifth_bits<1>(high));
         chunk(1, fifth_bits<2>(high), fifth_bits<3>(high));
@@ -199,7 +207,6 @@ inline void q6_tile8(const uint8_t* W, const int8_t* SC, const uint32_t* H5, con
                      const int8_t* xq, const float* dx, const int32_t* HS, int64_t nb, float* y, int64_t valid) {
   float out[8];
 #ifdef HARDY_AVX2
-  const __m256i low = _mm256_set1_epi8(0x0f);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = W + b * 128;
@@ -209,14 +216,7 @@ inline void q6_tile8(const uint8_t* W, const int8_t* SC, const uint32_t* H5, con
     const __m256i h5 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H5 + 8 * b));
     const __m256i h6 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H6 + 8 * b));
     __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
-    auto chunk = [&](int c, __m256i top0, __m256i top1) {
-      int32_t lo4, hi4;
-      std::memcpy(&lo4, x + 4 * c, 4);
-      std::memcpy(&hi4, x + 16 + 4 * c, 4);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-      d0 = dot_acc(d0, _mm256_or_si256(_mm256_and_si256(v, low), top0), _mm256_set1_epi32(lo4));
-      d1 = dot_acc(d1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), top1), _mm256_set1_epi32(hi4));
-    };
+    auto chunk = [&](int c, __m256i top0, __m256i top1) { nibble_chunk(w, x, c, top0, top1, d0, d1); };
     auto top = [&](auto five, auto six) { return _mm256_or_si256(five, _mm256_add_epi8(six, six)); };
     chunk(0, top(fifth_bits<0>(h5), fifth_bits<0>(h6)), top(fifth_bits<1>(h5), fifth_bits<1>(h6)));
     chunk(1, top(fifth_bits<2>(h5), fifth_bits<2>(h6)), top(fifth_bits<3>(h5), fifth_bits<3>(h6)));
