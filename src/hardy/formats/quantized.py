@@ -279,17 +279,15 @@ def tile_codes(stored: dict[str, torch.Tensor], bits: int = 0) -> dict[str, torc
     sixth bit planes and d (fp32 bits), int32 [tiles, 2 x blocks + super-blocks, 8]."""
     if bits == 6:
         codes, d = stored["qweight"], stored["mins"]
-        rows = codes.shape[0]
         aux = torch.cat([_bit_plane(codes, 4), _bit_plane(codes, 5), d.float().contiguous().view(torch.int32)], dim=1)
         return tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"], "mins": aux})
     if bits == 5:
         codes = stored["qweight"]
-        rows, cols = codes.shape
-        high = (((codes >> 4) & 1).to(torch.int64).view(rows, cols // PACK_BLOCK, PACK_BLOCK)
-                << FIFTH_BIT_AT).sum(-1)
+        rows = codes.shape[0]
+        high = _bit_plane(codes, 4)
         out = tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"]})
         high = torch.cat([high, high.new_zeros(-rows % TILE, high.shape[1])]) if rows % TILE else high
-        out["high"] = high.to(torch.int32).view(-1, TILE, high.shape[1]).transpose(1, 2).contiguous()
+        out["high"] = high.view(-1, TILE, high.shape[1]).transpose(1, 2).contiguous()
         return out
     q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
     rows, width = q.shape
@@ -316,6 +314,11 @@ def _from_bit_planes(low: torch.Tensor, plane: torch.Tensor, bit: int) -> torch.
     return low | (bits.reshape(low.shape) << bit).to(torch.uint8)
 
 
+def _six_bit_form(tiled: dict[str, torch.Tensor]) -> bool:
+    """Kernel-layout tensors of the 6-bit K-quant form: int8 sub-block scales beside the bit planes."""
+    return "mins" in tiled and tiled["scales"].dtype == torch.int8
+
+
 def _with_six_bits(nibbles: dict[str, torch.Tensor], aux: torch.Tensor) -> dict[str, torch.Tensor]:
     """The 6-bit form's stored tensors (codes one per byte, int8 scales, fp32 d) from the kernel's."""
     low = unpack_int4(nibbles["qweight"])
@@ -326,10 +329,7 @@ def _with_six_bits(nibbles: dict[str, torch.Tensor], aux: torch.Tensor) -> dict[
 
 def _with_fifth_bits(nibbles: dict[str, torch.Tensor], high: torch.Tensor) -> dict[str, torch.Tensor]:
     """Stored 5-bit codes (one per byte) from the low nibbles' stored layout and rows' fifth bits [rows, blocks]."""
-    low = unpack_int4(nibbles["qweight"])
-    bits = ((high.to(torch.int64) & 0xFFFFFFFF)[:, :, None] >> FIFTH_BIT_AT) & 1
-    codes = low | (bits.reshape(low.shape) << 4).to(torch.uint8)
-    return {"qweight": codes, "scales": nibbles["scales"]}
+    return {"qweight": _from_bit_planes(unpack_int4(nibbles["qweight"]), high, 4), "scales": nibbles["scales"]}
 
 
 def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -341,7 +341,7 @@ def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, 
     for name in ("scales", "mins"):
         if name in tiled:
             out[name] = tiled[name][tile, :, lane]
-    if tiled.get("scales") is not None and tiled["scales"].dtype == torch.int8 and "mins" in tiled:  # 6-bit form
+    if _six_bit_form(tiled):
         return _with_six_bits(out, out.pop("mins"))
     if "high" in tiled:
         return _with_fifth_bits(out, tiled["high"][tile, :, lane])
@@ -357,7 +357,7 @@ def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.T
         if name in tiled:
             out[name] = tiled[name].transpose(1, 2).reshape(padded, -1)
     out = {name: t[:rows] for name, t in out.items()}
-    if tiled.get("scales") is not None and tiled["scales"].dtype == torch.int8 and "mins" in tiled:  # 6-bit form
+    if _six_bit_form(tiled):
         return _with_six_bits(out, out.pop("mins"))
     if "high" in tiled:
         return _with_fifth_bits(out, tiled["high"].transpose(1, 2).reshape(padded, -1)[:rows])

@@ -1,5 +1,5 @@
 // GGUF blocks straight into the kernels' tiled layouts (qgemv.cpp reads them): Q4_0/Q4_1, Q8_0, and the
-// K-quants Q4_K (exact, in the K-quant form of qgemv.h) and Q6_K (re-quantized to int8 g32, docs/quantization.md).
+// K-quants Q4_K and Q6_K (exact, in the K-quant forms of qgemv.h; docs/quantization.md).
 #include "qgemv.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -143,10 +143,9 @@ std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks) {
           uint8_t stored[16];
           uint32_t five = 0, six = 0;
           for (int i = 0; i < 16; ++i) stored[i] = (uint8_t)((c[i] & 15) | ((c[i + 16] & 15) << 4));
-          for (int i = 0; i < 32; ++i) {  // bit 8·(i%4) + 2·((i%16)/4) + i/16: where the tile loop reads it
-            const int at = 8 * (i % 4) + 2 * ((i % 16) / 4) + i / 16;
-            five |= (uint32_t)((c[i] >> 4) & 1) << at;
-            six |= (uint32_t)((c[i] >> 5) & 1) << at;
+          for (int i = 0; i < 32; ++i) {
+            five |= (uint32_t)((c[i] >> 4) & 1) << fifth_bit_at(i);
+            six |= (uint32_t)((c[i] >> 5) & 1) << fifth_bit_at(i);
           }
           put_tiled(Q + tile * 4 * K + b * 128, lane, stored);
           a[b * 8] = five;

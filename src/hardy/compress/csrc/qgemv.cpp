@@ -281,20 +281,21 @@ at::Tensor qgemv(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor
 
 // Row r of a tiled int8 or int4 matrix as float: code * scale (+ min), or (code - 8) * scale on the
 // symmetric int4 grid (M null), as QuantTensor does. The group width is a multiple of 32, so the 32
-// values of a block share one scale (and min).
-// SK: the K-quant form's sc/m bytes (then M holds its d/dmin and S is unused).
-static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, const uint16_t* M, int64_t K, int64_t G,
-                 int64_t group, int64_t r, float* y, const uint32_t* H = nullptr, const uint8_t* SK = nullptr) {
-  const int64_t nb = K / QK;
-  if (W4) {
-    const uint8_t* w = W4 + (r / 8) * 4 * K;
+// values of a block share one scale (and min). The 4-bit K-quant form reads its sc/m bytes and d/dmin (qgemv.h); the 6-bit one has its own row.
+static void dequant_row(const QMatrix& q, int64_t r, float* y) {
+  if (q.k6scales) return dequant_row6(q, r, y);
+  const int64_t K = q.K, nb = K / QK, G = q.groups;
+  if (q.w4) {
+    const uint16_t* M = q.kscales ? q.supers : q.mins;
+    const uint32_t* H = q.high;
+    const uint8_t* w = q.w4 + (r / 8) * 4 * K;
     const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
-    const uint8_t* sk = SK ? SK + (r / 8) * G * 16 : nullptr;
-    const uint16_t* dk = SK ? M + (r / 8) * (G / K_GROUPS) * 16 : nullptr;
+    const uint8_t* sk = q.kscales ? q.kscales + (r / 8) * G * 16 : nullptr;
+    const uint16_t* dk = q.kscales ? M + (r / 8) * (G / K_GROUPS) * 16 : nullptr;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t g = b * QK / group;
-      const float s = SK ? k_scale(sk, dk, g, lane) : half_to_float(S[base + g * 8]);
-      const float m = SK ? k_min(sk, dk, g, lane) : M ? half_to_float(M[base + g * 8]) : 0.f;
+      const int64_t g = b / q.blocks_per_group;
+      const float s = sk ? k_scale(sk, dk, g, lane) : half_to_float(q.scales[base + g * 8]);
+      const float m = sk ? k_min(sk, dk, g, lane) : M ? half_to_float(M[base + g * 8]) : 0.f;
       const float off = M ? 0.f : H ? 16.f : 8.f;
       const uint32_t h = H ? H[(r / 8) * nb * 8 + b * 8 + lane] : 0;
       for (int c = 0; c < 4; ++c)
@@ -307,10 +308,10 @@ static void dequant_row(const uint8_t* W4, const int8_t* W8, const uint16_t* S, 
         }
     }
   } else {
-    const int8_t* w = W8 + (r / 8) * 8 * K + 4 * (r % 8);
+    const int8_t* w = q.w8 + (r / 8) * 8 * K + 4 * (r % 8);
     const int64_t base = (r / 8) * G * 8 + r % 8;
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = half_to_float(S[base + (b * QK / group) * 8]);
+      const float s = half_to_float(q.scales[base + (b / q.blocks_per_group) * 8]);
       for (int64_t k = 0; k < QK; ++k) y[b * QK + k] = (float)w[b * 256 + 32 * (k / 4) + k % 4] * s;
     }
   }
@@ -326,20 +327,12 @@ at::Tensor dequant_rows(at::Tensor qweight, at::Tensor scales, at::Tensor mins, 
   const bool int4 = qweight.scalar_type() == at::kByte;
   const int64_t K = int4 ? qweight.size(1) * 2 : qweight.size(1), n = rows.size(0), N = qweight.size(0);
   const QMatrix q = quantized_matrix(qweight, scales, mins, group, N);  // checks every form's layout
-  const int64_t G = q.groups;
-  const bool bits5 = q.high != nullptr && !q.k6scales;
   auto out = at::empty({n, K}, at::kFloat);
   const int64_t* R = rows.data_ptr<int64_t>();
-  const uint16_t* S = q.scales;
-  const uint16_t* M = q.kscales ? q.supers : q.mins;
-  const uint32_t* H = bits5 ? reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>()) : nullptr;
-  const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
-  const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* Y = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(R[i] >= 0 && R[i] < N, "row id out of range");
-    if (q.k6scales) dequant_row6(q, R[i], Y + i * K);
-    else dequant_row(W4, W8, S, M, K, G, group, R[i], Y + i * K, H, q.kscales);
+    dequant_row(q, R[i], Y + i * K);
   }
   return out;
 }
@@ -357,21 +350,13 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
               (bf16 || out.scalar_type() == at::kFloat) && begin >= 0 && begin + n <= N,
               "dequant_range: rows in range, a contiguous fp32/bf16 [rows, K] output");
   const QMatrix q = quantized_matrix(qweight, scales, mins, group, N);  // checks every form's layout
-  const int64_t G = q.groups;
-  const uint16_t* S = q.scales;
-  const uint16_t* M = q.kscales ? q.supers : q.mins;
-  const uint32_t* H = q.high;
-  const uint8_t* SK = q.kscales;
-  const uint8_t* W4 = int4 ? qweight.data_ptr<uint8_t>() : nullptr;
-  const int8_t* W8 = int4 ? nullptr : qweight.data_ptr<int8_t>();
   float* F = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* B = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> row(bf16 ? K : 0);
     for (int64_t i = lo; i < hi; ++i) {
       float* y = bf16 ? row.data() : F + i * K;
-      if (q.k6scales) dequant_row6(q, begin + i, y);
-      else dequant_row(W4, W8, S, M, K, G, group, begin + i, y, H, SK);
+      dequant_row(q, begin + i, y);
       if (bf16)
         for (int64_t k = 0; k < K; ++k) B[i * K + k] = at::BFloat16(y[k]);  // round to nearest even
     }

@@ -13,6 +13,10 @@
 
 constexpr int64_t QK = 32;
 
+// Where code j (< 32) of a block sits in its row's 32-bit word of fifth (or sixth) bits: byte j % 4,
+// bit 2c + h for chunk c = (j % 16) / 4 and nibble h = j / 16 — where the tile loop reads it.
+inline int fifth_bit_at(int j) { return 8 * (j % 4) + 2 * ((j % 16) / 4) + j / 16; }
+
 inline float half_to_float(uint16_t h) {
 #ifdef HARDY_AVX2
   return _cvtsh_ss(h);

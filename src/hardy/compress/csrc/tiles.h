@@ -90,8 +90,7 @@ inline void nibble_chunk(const uint8_t* w, const int8_t* x, int c, __m256i top0,
 #endif
 
 inline int fifth_bit(uint32_t lane, int code) {  // row's fifth bit of `code` from its 32-bit lane
-  const int half = code / 16, c = (code % 16) / 4, i = code % 4;
-  return (lane >> (8 * i + 2 * c + half)) & 1;
+  return (lane >> fifth_bit_at(code)) & 1;
 }
 
 // A K-quant group's scale d·sc and min −dmin·m for one lane (SK: the tile's sc/m bytes, D: its d/dmin).
