@@ -11,7 +11,8 @@ batch), peak RSS, and decode's share of this machine's measured DRAM read bandwi
 Shapes use SmolLM2's BPE vocabulary (llama.cpp needs a real tokenizer in the file); the 8B shape pads
 it with reserved control tokens to Llama 3's 128,256 entries, the 13B-class shape keeps its 49,152.
 `--type Q4_K_M` writes Q4_K matrices with Q6_K for the output and for attn_v / ffn_down in the layers
-llama.cpp's Q4_K_M gives more bits (the first and last eighth, and every third in between).
+llama.cpp's Q4_K_M gives more bits (the first and last eighth, and every third in between); `--type
+Q5_K_M` the same with Q5_K matrices.
 """
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ def tensor_plan(shape: dict, qtype: str) -> list[tuple[str, tuple[int, ...], str
     """(GGUF name, PyTorch-order shape, type) in llama.cpp's order."""
     d, f, v, n = shape["dim"], shape["ffn_dim"], shape["vocab"], shape["n_layers"]
     kv = d // shape["n_heads"] * shape["n_kv_heads"]
-    base = "Q4_K" if qtype == "Q4_K_M" else qtype
+    k_mix = qtype in ("Q4_K_M", "Q5_K_M")
+    base = qtype[:4] if k_mix else qtype
 
-    def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits for Q4_K_M
+    def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits for Q4_K_M and Q5_K_M
         return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
     plan = [("token_embd.weight", (v, d), base)]
     for i in range(n):
-        hi = "Q6_K" if qtype == "Q4_K_M" and more_bits(i) else base
+        hi = "Q6_K" if k_mix and more_bits(i) else base
         plan += [(f"blk.{i}.attn_norm.weight", (d,), "F32"), (f"blk.{i}.attn_q.weight", (d, d), base),
                  (f"blk.{i}.attn_k.weight", (kv, d), base), (f"blk.{i}.attn_v.weight", (kv, d), hi),
                  (f"blk.{i}.attn_output.weight", (d, d), base), (f"blk.{i}.ffn_norm.weight", (d,), "F32"),
@@ -57,12 +59,13 @@ def tensor_plan(shape: dict, qtype: str) -> list[tuple[str, tuple[int, ...], str
                  (f"blk.{i}.ffn_down.weight", (d, f), hi)]
     plan += [("output_norm.weight", (d,), "F32")]
     if not shape.get("tied"):
-        plan += [("output.weight", (v, d), "Q6_K" if qtype == "Q4_K_M" else base)]
+        plan += [("output.weight", (v, d), "Q6_K" if k_mix else base)]
     return plan
 
 
 # fp16 scale fields of each block type (byte offsets) and a scale that keeps random weights ~N(0, 0.02)
-SCALES = {"Q4_0": ((0,), 0.005), "Q8_0": ((0,), 0.0003), "Q4_K": ((0, 2), 0.0003), "Q6_K": ((208,), 0.0003)}
+SCALES = {"Q4_0": ((0,), 0.005), "Q8_0": ((0,), 0.0003), "Q4_K": ((0, 2), 0.0003), "Q5_K": ((0, 2), 0.00015),
+          "Q6_K": ((208,), 0.0003)}
 
 
 def random_blocks(rng, rows: int, cols: int, qtype: str) -> np.ndarray:
@@ -278,7 +281,7 @@ def worker(engine: str, path: Path, threads: int, prompt_len: int, new_tokens: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q8_0", "Q4_K_M"))
+    ap.add_argument("--type", default="Q4_0", choices=("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M"))
     ap.add_argument("--dir", default="/tmp/hardy-big")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)

@@ -118,7 +118,7 @@ def test_symmetric_int4_g32_is_gguf_q4_0_exactly():
 def test_bad_specs_are_readable_errors():
     with pytest.raises(HardyError, match="bits must be 8, 5, 4 or 3"):
         QuantSpec(6, 32)
-    with pytest.raises(HardyError, match="K-quant forms are 4-bit .* or 6-bit"):  # 6 bits: GGUF Q6_K's form alone
+    with pytest.raises(HardyError, match="K-quant forms are 4- or 5-bit .* or 6-bit"):  # 6 bits: GGUF Q6_K's form alone
         QuantSpec(6, 32, True, super_block=256)
     with pytest.raises(HardyError, match="multiple of 32"):
         QuantSpec(4, 48)

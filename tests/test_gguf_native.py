@@ -146,7 +146,7 @@ def test_q5_0_is_the_5_bit_grid_exactly_and_exports_back_to_the_same_bytes(tmp_p
     assert np.array_equal(repack_blocks(q.quant_tensor(), "Q5_0"), np.asarray(t.data).reshape(6, -1))
 
 
-@pytest.mark.parametrize("type_name,half_offsets", [("Q5_K", (0, 2)), ("Q3_K", (108,))])
+@pytest.mark.parametrize("type_name,half_offsets", [("Q5_1", (0, 2)), ("Q3_K", (108,))])
 def test_other_types_are_requantized_to_int8_within_half_a_step(type_name, half_offsets):
     qtype = gguf.GGMLQuantizationType[type_name]
     t = _fake_tensor(qtype, 4, _random_blocks(qtype, 4, 512, half_offsets, seed=1))
@@ -301,15 +301,44 @@ def test_q6_k_loads_exactly_in_its_own_form_at_212_bytes_per_256_weights():
     _kernel_paths_give(fast, reference)
 
 
+def test_q5_k_loads_exactly_in_its_own_form_at_180_bytes_per_256_weights():
+    """Q5_K in the 5-bit K-quant form: every weight equals the `gguf` package's dequantization (llama.cpp's
+    d·sc·q − dmin·m, q with its fifth bit) bit for bit on the numpy and C++ paths, held in 180 bytes per
+    super-block (the file's 176 + unpacked sc/m); the C++ converter's stored tensors are the numpy path's
+    for rows in any order; the kernel, prefill slab and lookups compute the dequantized matrix."""
+    from hardy.compress import kernels
+    from hardy.formats.gguf_quant import INT5_K, _converted_in_cpp, _k_quant, conversion
+    from hardy.plan.weights import held_bytes
+
+    qtype = gguf.GGMLQuantizationType.Q5_K
+    t = _fake_tensor(qtype, 11, _random_blocks(qtype, 11, 768, (0, 2), seed=3))  # 11 rows: a partial tile
+    reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(11, 768))
+    slow = packed_from_gguf(t)
+    assert slow.spec == INT5_K and torch.equal(slow.dequantize(), reference)
+    assert slow.quant_tensor().stored_bits() == 180 * 8 / 256 and held_bytes(INT5_K, 11, 768) == 11 * 3 * 180
+    assert conversion("Q5_K") == "exact"
+    module = kernels.load()
+    if module is None:
+        pytest.skip("could not import 'hardy kernels': the extension did not build")
+    fast = packed_from_gguf(t, converter=module)
+    assert fast.tiled and sum(p.numel() * p.element_size() for p in fast.parts.values()) == 16 * 3 * 180
+    order = torch.randperm(11, generator=torch.Generator().manual_seed(1))
+    moved = _converted_in_cpp(t, order, converter=module)
+    for name, tensor in _k_quant(t, five=True).parts.items():
+        assert torch.equal(fast.stored()[name], tensor), name
+        assert torch.equal(moved.stored()[name], tensor[order]), name
+    _kernel_paths_give(fast, reference)
+
+
 def test_q4_k_in_cpp_equals_the_numpy_conversion():
     from hardy.compress import kernels
-    from hardy.formats.gguf_quant import _q4_k
+    from hardy.formats.gguf_quant import _k_quant
 
     if kernels.load() is None:
         pytest.skip("could not import 'hardy kernels': the extension did not build")
     qtype = gguf.GGMLQuantizationType.Q4_K
     t = _fake_tensor(qtype, 11, _random_blocks(qtype, 11, 512, (0, 2), seed=4))  # 11 rows: a partial tile
-    fast, slow = packed_from_gguf(t, converter=kernels.load()), _q4_k(t)
+    fast, slow = packed_from_gguf(t, converter=kernels.load()), _k_quant(t, five=False)
     assert fast.tiled and not slow.tiled
     for name in ("qweight", "scales", "mins"):
         assert torch.equal(fast.stored()[name], slow.parts[name]), name
@@ -340,7 +369,7 @@ def test_legacy_types_in_cpp_equal_the_numpy_conversion(type_name, half_offsets)
 
 
 @pytest.mark.parametrize("type_name,half_offsets", [("Q4_0", (0,)), ("Q8_0", (0,)), ("Q4_K", (0, 2)),
-                                                    ("Q6_K", (208,))])
+                                                    ("Q5_K", (0, 2)), ("Q6_K", (208,))])
 def test_tp_slices_are_the_same_on_both_paths(type_name, half_offsets):
     """A rank's rows (q/k-unpermuted) or columns read by the C++ converters equal the numpy path's
     slice of the whole tensor; a split inside a K-quant super-block is a one-line error."""
@@ -358,7 +387,7 @@ def test_tp_slices_are_the_same_on_both_paths(type_name, half_offsets):
         assert fast.tp_slice == slow.tp_slice == tp and fast.shape == slow.shape
         assert fast.shape == ((8, 1024) if tp.kind == "colwise" else (16, 512))
         assert torch.equal(fast.dequantize(), slow.dequantize()), tp
-    if type_name in ("Q4_K", "Q6_K"):
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
         with pytest.raises(HardyError, match="whole blocks"):
             packed_from_gguf(t, tp=TPSlice("rowwise", 0, 8), converter=kernels.load())  # 128 columns: half a super-block
 
@@ -378,7 +407,7 @@ def test_the_planners_file_layout_is_what_a_native_load_holds(mini_ggufs, qtype)
 
 
 @pytest.mark.parametrize("type_name,half_offsets", [("Q4_0", (0,)), ("Q4_1", (0, 2)), ("Q8_0", (0,)),
-                                                    ("Q4_K", (0, 2)), ("Q6_K", (208,))])
+                                                    ("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,))])
 def test_a_matrix_converted_in_parts_equals_it_converted_at_once(monkeypatch, type_name, half_offsets):
     """A large matrix is converted a few rows at a time (to bound load-time memory): the stored tensors
     equal the one-part conversion for a row count that is not a multiple of 8, in file order and with

@@ -108,7 +108,8 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
 def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     """The scalar fallback (no vector ISA) and, on a VNNI machine, the AVX2 build (maddubs instead of
     vpdpbusd) agree with the build in use, for groups of 32, wider groups, per-channel scales and the
-    K-quant forms (GGUF Q4_K's sc/m bytes and d/dmin; Q6_K's bit planes and scales per 16)."""
+    K-quant forms (GGUF Q4_K's sc/m bytes and d/dmin, Q5_K's with a plane of fifth bits; Q6_K's bit
+    planes and scales per 16)."""
     if isa == "avx2" and not ext.has_vnni():
         pytest.skip("the build in use is the AVX2 one (or narrower)")
     check = "not m.has_avx2()" if isa == "generic" else "m.has_avx2() and not m.has_vnni()"
@@ -121,6 +122,7 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
         f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}];"
         f"exec({_K_FORM!r}); out['K'] = kernels.make_kernel(QuantLinear(k_form(g)), m)(x[:, :512]).tolist();"
         "out['K6'] = kernels.make_kernel(QuantLinear(k6_form(g)), m)(x[:, :512]).tolist();"
+        "out['K5'] = kernels.make_kernel(QuantLinear(k_form(g, bits=5)), m)(x[:, :512]).tolist();"
         "print(json.dumps(out))")
     env = dict(os.environ, HARDY_KERNEL_ISA=isa, HARDY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -135,22 +137,23 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     namespace = {"torch": torch, "QuantSpec": QuantSpec, "QuantTensor": QuantTensor}
     exec(_K_FORM, namespace)
     k_tensor = namespace["k_form"](g)
-    for key, make in (("K", "k_form"), ("K6", "k6_form")):
-        k_tensor = k_tensor if key == "K" else namespace[make](g)
+    for key, make in (("K", "k_form"), ("K6", "k6_form"), ("K5", "k_form")):
+        k_tensor = k_tensor if key == "K" else namespace[make](g, bits=5) if key == "K5" else namespace[make](g)
         ours = kernels.make_kernel(QuantLinear(k_tensor), ext)(x[:, :512])
         assert torch.allclose(torch.tensor(narrow[key]), ours, rtol=1e-5, atol=1e-5), key
         want = x[:, :512] @ k_tensor.dequantize().T  # and the form computes its own dequantized weights
         assert (ours - want).abs().max() < 2e-2 * want.abs().max(), key
 
 
-# A random matrix in the K-quant form (GGUF Q4_K's): codes, 6-bit sc and m, fp16 d and dmin per 256.
+# A random matrix in the K-quant form (GGUF Q4_K's, or Q5_K's at 5 bits): codes, 6-bit sc and m, fp16 d
+# and dmin per 256.
 _K_FORM = """
-def k_form(g, rows=64, cols=512):
+def k_form(g, rows=64, cols=512, bits=4):
     def ints(high, *shape):
         return torch.randint(0, high, shape, generator=g, dtype=torch.int64).to(torch.uint8)
     supers = (torch.rand(rows, cols // 256, 2, generator=g) * 4e-3 + 1e-4).half()
-    return QuantTensor(ints(16, rows, cols), ints(64, rows, cols // 32), ints(64, rows, cols // 32),
-                       QuantSpec(4, 32, False, super_block=256), supers)
+    return QuantTensor(ints(1 << bits, rows, cols), ints(64, rows, cols // 32), ints(64, rows, cols // 32),
+                       QuantSpec(bits, 32, False, super_block=256), supers)
 
 
 def k6_form(g, rows=64, cols=512):  # GGUF Q6_K's: 6-bit codes, an int8 scale per 16, d per 256
@@ -159,6 +162,32 @@ def k6_form(g, rows=64, cols=512):  # GGUF Q6_K's: 6-bit codes, an int8 scale pe
     d = (torch.rand(rows, cols // 256, generator=g) * 1e-3 + 1e-5).half().float()
     return QuantTensor(codes, scales, None, QuantSpec(6, 16, True, super_block=256), d)
 """
+
+
+def test_the_5_bit_k_form_round_trips_through_the_tiled_layout(ext):
+    """The 5-bit K-quant form (GGUF Q5_K's) tiles its fifth bits and d/dmin into one int32 tensor: its
+    state dict, row lookups and dequantized weight are the stored layout's exactly, a state dict loads
+    into a tiled layer, and 13 rows (a partial tile) compute the dequantized product."""
+    namespace = {"torch": torch, "QuantSpec": QuantSpec, "QuantTensor": QuantTensor}
+    exec(_K_FORM, namespace)
+    g = torch.Generator().manual_seed(2)
+    qt = namespace["k_form"](g, rows=13, bits=5)
+    layer = QuantLinear(qt)
+    stored = {k: v.clone() for k, v in layer.state_dict().items()}
+    kernel = kernels.make_kernel(layer, ext)
+    assert layer.tiled and layer.mins.dtype == torch.int32 and layer.mins.shape == (2, 16 + 2, 8)
+    assert all(torch.equal(v, stored[k]) for k, v in layer.state_dict().items()) and len(stored) == 3
+    weight = qt.dequantize()
+    assert torch.equal(layer.dequantized_weight(), weight) and int(weight.abs().max()) > 0
+    rows = torch.tensor([12, 0, 8])
+    assert all(torch.equal(v, stored[k][rows]) for k, v in layer.stored(rows).items())
+    other = QuantLinear(namespace["k_form"](g, rows=13, bits=5))
+    kernels.make_kernel(other, ext)
+    other.load_state_dict(stored)
+    assert torch.equal(other.mins, layer.mins) and torch.equal(other.dequantized_weight(), weight)
+    x = torch.randn(2, 512, generator=g)
+    want = x @ weight.T
+    assert (kernel(x) - want).abs().max() < 2e-2 * want.abs().max()
 
 
 def test_loaded_models_decode_through_the_kernel_within_1pct_ppl(ext, mini_run, mini_compressed, monkeypatch):

@@ -5,6 +5,8 @@ hardy's greedy tokens, and quantized exports agree with hardy's quantized model 
 teacher-forced top-1 predictions."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -82,3 +84,44 @@ def test_the_installed_llama_cpp_has_no_amx_matmul():
     info = llama_cpp.llama_print_system_info().decode()
     assert "AVX2 = 1" in info or "NEON = 1" in info  # the report is the CPU backend's feature list
     assert "AMX" not in info, info
+
+
+@pytest.mark.parametrize("name,ftype", [("Q5_K_M", 17), ("Q4_K_M", 15)])
+@torch.inference_mode()
+def test_files_llama_cpp_quantized_to_k_quants_load_natively_as_their_dequantized_values(tmp_path, name, ftype):
+    """A model quantized by llama.cpp's own quantizer (llama_model_quantize: Q5_K_M / Q4_K_M, with Q6_K
+    where it gives more bits) loads in the K-quant forms without a rounding: prefill logits equal those
+    of the file dequantized by the `gguf` package, and llama.cpp (which also rounds activations to 8
+    bits) predicts the same next token at most positions."""
+    import ctypes
+    import sys
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from families import build_hf_model, byte_level_tokenizer
+    from hardy.formats.gguf_export import export_gguf
+    from hardy.formats.gguf_io import open_gguf
+
+    build_hf_model(transformers, "llama", changes=dict(hidden_size=256, intermediate_size=512, head_dim=64)) \
+        .save_pretrained(tmp_path / "hf")  # widths of whole 256-value super-blocks
+    source = load_model(str(tmp_path / "hf"))
+    export_gguf(source.model, source.config, byte_level_tokenizer(), tmp_path / "f32.gguf", "F32")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, 2
+    out = tmp_path / f"{name}.gguf"
+    assert llama_cpp.llama_model_quantize(str(tmp_path / "f32.gguf").encode(), str(out).encode(),
+                                          ctypes.byref(params)) == 0
+    types = {t.tensor_type.name for t in open_gguf(out).tensors}
+    assert {name[:4], "Q6_K"} <= types, types
+    native, floated = load_model(str(out), gguf="native"), load_model(str(out), gguf="float")
+    assert all(m.quant_tensor().spec.super_block for m in native.model.modules() if hasattr(m, "quant_tensor"))
+    tokens = torch.randint(4, 320, (64,), generator=torch.Generator().manual_seed(7)).tolist()
+    ours = native.model(torch.tensor([tokens]))[0]
+    assert torch.equal(ours, floated.model(torch.tensor([tokens]))[0])
+    llm = _llama(out, n_ctx=128)
+    llm.eval(tokens)
+    theirs = np.asarray(llm.scores[:64]).argmax(-1)
+    agreement = float((ours.argmax(-1).numpy() == theirs).mean())
+    print(f"{name}: top-1 agreement with llama.cpp {agreement:.4f}")
+    assert agreement >= 0.75, agreement  # a sanity check: the equality above is the claim

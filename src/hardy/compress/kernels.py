@@ -91,8 +91,8 @@ def kernel_group(layer) -> int:
 
 def supports(layer) -> bool:
     spec, cols = layer.spec, layer.in_features
-    if spec.bits == 6:  # the 6-bit K-quant form (GGUF Q6_K): its own tile, scales per 16 values
-        return bool(spec.super_block) and cols % spec.super_block == 0
+    if spec.super_block:  # the K-quant forms (GGUF Q4_K, Q5_K, Q6_K): whole super-blocks
+        return cols % spec.super_block == 0
     if cols % 32 or kernel_group(layer) % 32:
         return False
     # int4: with mins (Q4_1 grid) or without (Q4_0); 5-bit: symmetric (Q5_0); int8: symmetric (Q8_0)
@@ -104,8 +104,8 @@ _NO_MINS = torch.empty(0, dtype=torch.float16)  # symmetric layers (int8, int4 Q
 
 def kernel_tensors(layer) -> list[torch.Tensor]:
     """(qweight, scales, mins) as the extension takes them: mins empty on a symmetric grid, the fifth
-    bits (int32) in their place on the 5-bit one."""
-    if layer.spec.bits == 5:
+    bits (int32) in their place on the 5-bit one (the 5-bit K-quant form holds them in its mins)."""
+    if layer.spec.bits == 5 and not layer.spec.super_block:
         return [layer.qweight, layer.scales, layer.high]
     return [layer.qweight, layer.scales, _NO_MINS if layer.mins is None else layer.mins]
 

@@ -11,11 +11,14 @@ read from the memory-mapped file one tensor at a time: no float copy of the mode
   Q4_K        -> int4 in the K-quant form (hardy.formats.quantized): exact. The codes unchanged, each
                  sub-block's 6-bit scale and min unpacked to a byte, d and dmin as they are: 148 bytes
                  per 256 weights against the file's 144.
+  Q5_K        -> 5-bit in the K-quant form (hardy.formats.quantized): exact. Q4_K's with each code's fifth
+                 bit (codes one per byte as stored; the kernels' nibbles plus a plane of fifth bits):
+                 180 bytes per 256 weights against the file's 176.
   Q6_K        -> 6-bit in the K-quant form (hardy.formats.quantized): exact. The codes as low nibbles
                  and two bit planes, the int8 sub-block scales and d as they are: 212 bytes per 256
                  weights against the file's 210.
   any other   -> int8 symmetric, group 32, re-quantized from the `gguf` package's dequantized
-  quantized      values (Q5_*, Q2_K, Q3_K, IQ*): at most half an int8 step of error per
+  quantized      values (Q5_1, Q2_K, Q3_K, IQ*): at most half an int8 step of error per
   type           weight, ~1.06 bytes per weight in memory.
 F32/F16/BF16 tensors and 1-D ones (norms) stay float, as in the file.
 """
@@ -33,9 +36,11 @@ from hardy.formats.names import unpermute_qk
 from hardy.formats.quantized import QuantSpec, QuantTensor, pack_int4, rtn, untile_codes
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "exact", "Q6_K": "exact"}
+EXACT = {"Q4_0": "exact", "Q4_1": "exact", "Q8_0": "exact", "Q5_0": "exact", "Q4_K": "exact", "Q5_K": "exact",
+         "Q6_K": "exact"}
 INT4_G32 = QuantSpec(4, 32, False)
 INT4_K = QuantSpec(4, 32, False, super_block=256)
+INT5_K = QuantSpec(5, 32, False, super_block=256)
 INT6_K = QuantSpec(6, 16, True, super_block=256)
 INT4_SYM_G32 = QuantSpec(4, 32, True)
 INT8_G32 = QuantSpec(8, 32, True)
@@ -143,16 +148,24 @@ def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _q4_k(t) -> PackedQuant:
-    blocks, rows, cols = _blocks(t, 256, 144)
+def _k_quant(t, five: bool) -> PackedQuant:
+    """Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit sc/m, 128 bytes of nibbles) or Q5_K ones
+    (the same with 32 bytes of fifth bits, qh, before the nibbles) in the K-quant form."""
+    blocks, rows, cols = _blocks(t, 256, 176 if five else 144)
     sc, mn = _q4_k_scales(blocks[:, :, 4:16])
     scales = torch.from_numpy(np.stack((sc, mn), axis=-1).astype(np.uint8).reshape(rows, -1))  # sc, m per group
     supers = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0:4]).view(np.float16).reshape(rows, -1).copy())
     # 4 chunks of 64 values per super-block, 32 bytes each: low nibbles = values 0-31 of the chunk,
     # high nibbles = values 32-63. hardy's blocks of 32 pack code j with code j + 16 instead.
-    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 16:]).reshape(rows, -1, 4, 32))
-    codes = torch.stack((qs & 15, qs >> 4), dim=3).reshape(rows, cols)
-    return PackedQuant({"qweight": pack_int4(codes), "scales": scales, "mins": supers}, INT4_K, (rows, cols))
+    qs = np.ascontiguousarray(blocks[:, :, 48 if five else 16:]).reshape(rows, -1, 4, 1, 32)
+    codes = np.concatenate((qs & 15, qs >> 4), axis=3).reshape(rows, -1, 8, 32)  # [rows, super-blocks, group, value]
+    if not five:
+        return PackedQuant({"qweight": pack_int4(torch.from_numpy(codes.reshape(rows, cols))), "scales": scales,
+                            "mins": supers}, INT4_K, (rows, cols))
+    qh = blocks[:, :, None, 16:48]  # bit g of qh[i]: value i of group g's fifth bit
+    codes = codes | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    return PackedQuant({"qweight": torch.from_numpy(codes.reshape(rows, cols)), "scales": scales, "mins": supers},
+                       INT5_K, (rows, cols))
 
 
 def _q6_k(t) -> PackedQuant:
@@ -205,7 +218,7 @@ CONVERT_PART_BYTES = 16 << 20
 
 def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
                       converter=None, pages=None) -> PackedQuant | None:
-    """Q4_0/Q4_1/Q8_0/Q4_K/Q6_K straight into the kernels' tiled layout, rows reordered on the way,
+    """Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K straight into the kernels' tiled layout, rows reordered on the way,
     by the kernels extension (`converter`: hardy.compress.kernels.load(), passed in by the loader, which
     sits above both); None where it is not given or not built (then the numpy path). `order`:
     the source row of each output row (fewer than the file's for a colwise rank); `tp` rowwise: only
@@ -213,11 +226,11 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
     pages are mapped before each part is read and dropped after it is written, where parts are read in
     file order; otherwise all of them up front."""
     name = t.tensor_type.name
-    module = converter if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else None
+    module = converter if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K") else None
     if module is None:
         return None
     values, block_bytes = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144),
-                           "Q6_K": (256, 210)}[name]
+                           "Q5_K": (256, 176), "Q6_K": (256, 210)}[name]
     blocks, rows, cols = _blocks(t, values, block_bytes)
     in_file_order = order is None and not (tp is not None and tp.kind == "rowwise")
     if pages is not None and not in_file_order:
@@ -229,7 +242,7 @@ def _converted_in_cpp(t, order: torch.Tensor | None, tp: TPSlice | None = None,
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(blocks.reshape(rows, -1))
     order = torch.arange(rows) if order is None else order
-    spec = {"Q6_K": INT6_K, "Q4_K": INT4_K, "Q8_0": INT8_G32, "Q4_0": INT4_SYM_G32, "Q4_1": INT4_G32}[name]
+    spec = spec_for(name)
     n_out = order.numel()
     step = max(8, CONVERT_PART_BYTES // max(1, raw.shape[1]) // 8 * 8)  # whole tiles of 8 rows per part
     parts = None
@@ -257,8 +270,8 @@ def _convert_rows(module, name: str, raw: torch.Tensor, order: torch.Tensor) -> 
     """The converter's tensors (qweight, scales[, mins]) for the file's rows `order`, in that order."""
     if name == "Q6_K":  # the 6-bit form (the table above): only the rows wanted, in their order
         return list(module.q6k_to_tiled(raw[order].contiguous()))
-    if name == "Q4_K":
-        return list(module.q4k_to_tiled(raw, order))
+    if name in ("Q4_K", "Q5_K"):
+        return list((module.q4k_to_tiled if name == "Q4_K" else module.q5k_to_tiled)(raw, order))
     if name == "Q8_0":
         return list(module.q8_gguf_to_tiled(raw, order))
     q, scales, mins = module.q4_gguf_to_tiled(raw, name == "Q4_1", order)
@@ -340,8 +353,8 @@ def _packed_in_file_order(t) -> PackedQuant:
         return _q8_0(t)
     if name == "Q5_0":
         return _q5_0(t)
-    if name == "Q4_K":
-        return _q4_k(t)
+    if name in ("Q4_K", "Q5_K"):
+        return _k_quant(t, five=name == "Q5_K")
     if name == "Q6_K":
         return _q6_k(t)
     return _requantized(t)
@@ -354,7 +367,7 @@ def check_unpacks(q: PackedQuant, where: str) -> None:
     per_row = 2 * groups if q.spec.super_block and not q.spec.symmetric else groups  # 4-bit K: sc and m per group
     if q.tiled:
         padded = -(-rows // 8) * 8
-        want, want_scales = (padded, cols // 2 if q.spec.bits in (4, 6) else cols), (padded // 8, per_row, 8)
+        want, want_scales = (padded, cols // 2 if q.spec.bits in (4, 5, 6) else cols), (padded // 8, per_row, 8)
     else:
         want, want_scales = ((rows, cols // 2) if q.spec.bits == 4 else (rows, cols)), (rows, per_row)
     if tuple(q.parts["qweight"].shape) != want or tuple(q.parts["scales"].shape) != want_scales:
@@ -370,6 +383,8 @@ def spec_for(type_name: str) -> QuantSpec:
         return INT5_G32
     if type_name == "Q4_K":
         return INT4_K
+    if type_name == "Q5_K":
+        return INT5_K
     if type_name == "Q6_K":
         return INT6_K
     return INT4_G32 if type_name == "Q4_1" else INT8_G32

@@ -7,9 +7,9 @@ Three grids, each chosen so that llama.cpp's blocks are the same numbers:
   asymmetric (4/3):   w = code · scale + min,         code ∈ [0, 2^b − 1]  (GGUF Q4_1 at 4 bits, group 32)
 `scale` and `min` are stored as fp16 and the arithmetic is fp32, exactly as llama.cpp dequantizes,
 so hardy's int8/int4 tensors repack into GGUF blocks losslessly.
-The K-quant form (`super_block` 256: GGUF Q4_K, exact) stores each group's scale and min as 6-bit
-integers sc and m and each super-block's fp16 factors d and dmin:
-  w = code · (d·sc) − dmin·m,  code ∈ [0, 15]   (both products exact in fp32, as llama.cpp has them)
+The K-quant form (`super_block` 256: GGUF Q4_K and Q5_K, exact) stores each group's scale and min as
+6-bit integers sc and m and each super-block's fp16 factors d and dmin:
+  w = code · (d·sc) − dmin·m,  code ∈ [0, 15] or [0, 31]   (both products exact in fp32, as llama.cpp)
 and its 6-bit symmetric variant (GGUF Q6_K, exact) an int8 sc per 16 values and fp16 d per super-block:
   w = (code − 32) · (d·sc),    code ∈ [0, 63]
 A group is `group_size` consecutive input columns of one output row (group 0 = the whole row: per-channel).
@@ -38,9 +38,9 @@ class QuantSpec:
 
     def __post_init__(self):
         k_form = (self.bits, self.group_size, self.symmetric, self.super_block)
-        if self.super_block and k_form not in ((4, 32, False, 256), (6, 16, True, 256)):
-            raise HardyError(f"the K-quant forms are 4-bit asymmetric in groups of 32 or 6-bit symmetric in groups "
-                             f"of 16, in super-blocks of 256 (got {self.bits}-bit, group {self.group_size}, "
+        if self.super_block and k_form not in ((4, 32, False, 256), (5, 32, False, 256), (6, 16, True, 256)):
+            raise HardyError(f"the K-quant forms are 4- or 5-bit asymmetric in groups of 32 or 6-bit symmetric in "
+                             f"groups of 16, in super-blocks of 256 (got {self.bits}-bit, group {self.group_size}, "
                              f"super-block {self.super_block})")
         if self.bits not in (8, 5, 4, 3) and not (self.bits == 6 and self.super_block):  # 6: GGUF Q6_K's form only
             raise HardyError(f"--bits must be 8, 5, 4 or 3 (got {self.bits})")
@@ -276,19 +276,23 @@ def tile_codes(stored: dict[str, torch.Tensor], bits: int = 0) -> dict[str, torc
     restores the stored tensors exactly. `bits` 5: codes one per byte become their low nibbles in the
     int4 layout and `high`, each row's fifth bits per block of 32 as one int32 [tiles, blocks, 8].
     `bits` 6 (the 6-bit K-quant form): the low nibbles likewise, and `mins` becomes the fifth and
-    sixth bit planes and d (fp32 bits), int32 [tiles, 2 x blocks + super-blocks, 8]."""
+    sixth bit planes and d (fp32 bits), int32 [tiles, 2 x blocks + super-blocks, 8]. `bits` 5 in the
+    K-quant form (uint8 sc/m scales): `mins` becomes each tile's fifth-bit plane followed by its fp16
+    d/dmin (as the 4-bit K-quant form tiles them), int32 [tiles, blocks + super-blocks, 8]."""
     if bits == 6:
         codes, d = stored["qweight"], stored["mins"]
         aux = torch.cat([_bit_plane(codes, 4), _bit_plane(codes, 5), d.float().contiguous().view(torch.int32)], dim=1)
         return tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"], "mins": aux})
+    if bits == 5 and "mins" in stored:  # the 5-bit K-quant form
+        codes = stored["qweight"]
+        out = tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"], "mins": stored["mins"]})
+        high = _tiled_plane(_bit_plane(codes, 4))
+        supers = out["mins"].reshape(high.shape[0], -1, 2 * TILE).view(torch.int32)  # [tiles, super-blocks, 8]
+        return {**out, "mins": torch.cat([high, supers], dim=1)}
     if bits == 5:
         codes = stored["qweight"]
-        rows = codes.shape[0]
-        high = _bit_plane(codes, 4)
         out = tile_codes({"qweight": pack_int4(codes & 15), "scales": stored["scales"]})
-        high = torch.cat([high, high.new_zeros(-rows % TILE, high.shape[1])]) if rows % TILE else high
-        out["high"] = high.view(-1, TILE, high.shape[1]).transpose(1, 2).contiguous()
-        return out
+        return {**out, "high": _tiled_plane(_bit_plane(codes, 4))}
     q, per_group = stored["qweight"], {k: stored[k] for k in ("scales", "mins") if k in stored}
     rows, width = q.shape
     pad = -rows % TILE
@@ -299,6 +303,13 @@ def tile_codes(stored: dict[str, torch.Tensor], bits: int = 0) -> dict[str, torc
     out = {"qweight": q.view(tiles, TILE, width // 4, 4).transpose(1, 2).reshape(tiles * TILE, width)}
     out.update({k: t.view(tiles, TILE, -1).transpose(1, 2).contiguous() for k, t in per_group.items()})
     return out
+
+
+def _tiled_plane(plane: torch.Tensor) -> torch.Tensor:
+    """A plane [rows, blocks] in the kernels' layout: rows padded to whole tiles, [tiles, blocks, 8]."""
+    rows = plane.shape[0]
+    plane = torch.cat([plane, plane.new_zeros(-rows % TILE, plane.shape[1])]) if rows % TILE else plane
+    return plane.view(-1, TILE, plane.shape[1]).transpose(1, 2).contiguous()
 
 
 def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
@@ -329,11 +340,23 @@ def _with_six_bits(nibbles: dict[str, torch.Tensor], aux: torch.Tensor) -> dict[
 
 def _with_fifth_bits(nibbles: dict[str, torch.Tensor], high: torch.Tensor) -> dict[str, torch.Tensor]:
     """Stored 5-bit codes (one per byte) from the low nibbles' stored layout and rows' fifth bits [rows, blocks]."""
-    return {"qweight": _from_bit_planes(unpack_int4(nibbles["qweight"]), high, 4), "scales": nibbles["scales"]}
+    return {**nibbles, "qweight": _from_bit_planes(unpack_int4(nibbles["qweight"]), high, 4)}
+
+
+def _split_five_bit_k_form(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The 5-bit K-quant form's kernel tensors with its int32 `mins` split back into the fifth-bit plane
+    (`high`, as the 5-bit grid keeps it) and fp16 d/dmin [tiles, 2 x super-blocks, 8] (the 4-bit form's)."""
+    if not ("mins" in tiled and tiled["scales"].dtype == torch.uint8 and tiled["mins"].dtype == torch.int32):
+        return tiled
+    aux = tiled["mins"]
+    blocks = tiled["qweight"].shape[1] * 2 // PACK_BLOCK
+    supers = aux[:, blocks:].contiguous().view(torch.float16).reshape(aux.shape[0], -1, TILE)
+    return {**tiled, "high": aux[:, :blocks], "mins": supers}
 
 
 def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """The stored-layout tensors of the given rows only (embedding lookups read a few rows)."""
+    tiled = _split_five_bit_k_form(tiled)
     q = tiled["qweight"]
     width = q.shape[1]
     tile, lane = rows // TILE, rows % TILE
@@ -350,6 +373,7 @@ def tiled_rows(tiled: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, 
 
 def untile_codes(tiled: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
     """All rows back in the stored layout (the inverse permutation: one copy, no gather)."""
+    tiled = _split_five_bit_k_form(tiled)
     q = tiled["qweight"]
     padded, width = q.shape
     out = {"qweight": q.view(padded // TILE, width // 4, TILE, 4).transpose(1, 2).reshape(padded, width)}

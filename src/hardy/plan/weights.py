@@ -1,6 +1,7 @@
 """The bytes of a model's weights as hardy holds them when they come from a file: a quantized GGUF
 loaded natively keeps each tensor in the format its type maps to (hardy.formats.gguf_quant: Q4_0 as
-symmetric int4 g32, Q4_1 / Q4_K as int4 g32 with mins, Q8_0 / Q6_K / the rest as int8 g32), and its
+symmetric int4 g32, Q4_1 as int4 g32 with mins, Q4_K / Q5_K / Q6_K in their K-quant forms, Q8_0 and the
+rest as int8 g32), and its
 float tensors in fp32. `hardy plan serve --quant file` plans with these instead of one uniform format."""
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def held_bytes(spec: QuantSpec, rows: int, cols: int) -> float:
     per group, or the K-quant form's byte each of sc and m per group and fp16 d and dmin per
     super-block (rows of int4 padded to whole tiles of 8 are ignored: < 0.1% at real sizes)."""
     groups = spec.groups(cols)
-    if spec.super_block:  # 4-bit: sc and m bytes, fp16 d and dmin; 6-bit: an int8 sc per 16, d as fp32
+    if spec.super_block:  # 4/5-bit: sc and m bytes, fp16 d and dmin; 6-bit: an int8 sc per 16, d as fp32
         return rows * (cols * spec.bits / 8 + (1 if spec.symmetric else 2) * groups + 4 * cols / spec.super_block)
     per_group = 2 * (1 if spec.symmetric else 2)
     return rows * (cols * spec.bits / 8 + groups * per_group)

@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gguf_to_tiled", &q8_gguf_to_tiled, "GGUF Q8_0 blocks -> tiled int8 codes and fp16 scales");
   m.def("q6k_to_tiled", &q6k_to_tiled, "GGUF Q6_K blocks -> the tiled 6-bit K-quant form (nibbles, int8 scales, bit planes and d)");
   m.def("q4k_to_tiled", &q4k_to_tiled, "GGUF Q4_K blocks -> the tiled K-quant form (qweight, sc/m bytes, d/dmin)");
+  m.def("q5k_to_tiled", &q5k_to_tiled, "GGUF Q5_K blocks -> the tiled 5-bit K-quant form (qweight, sc/m bytes, fifth bits and d/dmin)");
   m.def("has_vnni", &built_with_vnni);
   m.def("has_avx2", &built_with_avx2);
 }

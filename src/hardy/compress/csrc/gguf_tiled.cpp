@@ -1,5 +1,5 @@
 // GGUF blocks straight into the kernels' tiled layouts (qgemv.cpp reads them): Q4_0/Q4_1, Q8_0, and the
-// K-quants Q4_K and Q6_K (exact, in the K-quant forms of qgemv.h; docs/quantization.md).
+// K-quants Q4_K, Q5_K and Q6_K (exact, in the K-quant forms of qgemv.h; docs/quantization.md).
 #include "qgemv.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -162,27 +162,34 @@ std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks) {
 // GGUF Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of
 // nibbles; 256 values) into the K-quant form of the tiled layout (qgemv.h), output row i taken from
 // source row order[i]: the codes unchanged (re-paired into hardy's nibble order), each sub-block's
-// 6-bit scale and min unpacked to a byte, d and dmin copied — nothing is rounded.
-std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
-  const int64_t rows = check_gguf_input(blocks, order, 144, "q4k_to_tiled");
-  const int64_t nsb = blocks.size(1) / 144, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
+// 6-bit scale and min unpacked to a byte, d and dmin copied — nothing is rounded. Q5_K (`five`) is the
+// same super-block with 32 bytes of fifth bits (qh) before the nibbles: bit g of qh[i] is the fifth bit
+// of value i of sub-block g; its plane and d/dmin come back as one int32 tensor (qgemv.h).
+static std::vector<at::Tensor> k_quant_to_tiled(const at::Tensor& blocks, const at::Tensor& order, bool five) {
+  const int64_t B = five ? 176 : 144, rows = check_gguf_input(blocks, order, B, five ? "q5k_to_tiled" : "q4k_to_tiled");
+  const int64_t nsb = blocks.size(1) / B, nb = nsb * 8, K = nb * QK, tiles = (rows + 7) / 8;
   auto q = at::zeros({tiles * 8, K / 2}, at::kByte);
   auto kscales = at::zeros({tiles, 2 * nb, 8}, at::kByte);
-  auto supers = at::zeros({tiles, 2 * nsb, 8}, at::kHalf);
+  // per tile: the fifth bits (Q5_K) [nb, 8] as uint32, then d/dmin [2 x nsb, 8] as fp16
+  const int64_t plane = five ? nb * 8 : 0, tile_halves = 2 * plane + 2 * nsb * 8;
+  auto aux = five ? at::zeros({tiles, nb + nsb, 8}, at::kInt) : at::zeros({tiles, 2 * nsb, 8}, at::kHalf);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* Q = q.data_ptr<uint8_t>();
   uint8_t* SK = kscales.data_ptr<uint8_t>();
-  uint16_t* D = reinterpret_cast<uint16_t*>(supers.data_ptr<at::Half>());
+  uint16_t* A = static_cast<uint16_t*>(aux.data_ptr());
   at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t tile = i / 8, lane = i % 8;
+      uint32_t* H = reinterpret_cast<uint32_t*>(A + tile * tile_halves);
+      uint16_t* D = A + tile * tile_halves + 2 * plane;
       for (int64_t sb = 0; sb < nsb; ++sb) {
-        const uint8_t* blk = src + (ord[i] * nsb + sb) * 144;
-        std::memcpy(D + (tile * 2 * nsb + 2 * sb) * 8 + lane, blk, 2);
-        std::memcpy(D + (tile * 2 * nsb + 2 * sb + 1) * 8 + lane, blk + 2, 2);
+        const uint8_t* blk = src + (ord[i] * nsb + sb) * B;
+        std::memcpy(D + 2 * sb * 8 + lane, blk, 2);
+        std::memcpy(D + (2 * sb + 1) * 8 + lane, blk + 2, 2);
         const uint8_t* sc = blk + 4;
-        const uint8_t* qs = blk + 16;
+        const uint8_t* qh = blk + 16;
+        const uint8_t* qs = blk + (five ? 48 : 16);
         for (int j = 0; j < 8; ++j) {
           int scale, mn;  // llama.cpp's get_scale_min_k4
           if (j < 4) {
@@ -201,9 +208,17 @@ std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) {
             stored[b] = (j % 2 == 0) ? (uint8_t)((chunk[b] & 0x0F) | ((chunk[b + 16] & 0x0F) << 4))
                                      : (uint8_t)((chunk[b] >> 4) | (chunk[b + 16] & 0xF0));
           put_tiled(Q + tile * 4 * K + g * 128, lane, stored);
+          if (five) {
+            uint32_t bits = 0;
+            for (int v = 0; v < 32; ++v) bits |= (uint32_t)((qh[v] >> j) & 1) << fifth_bit_at(v);
+            H[g * 8 + lane] = bits;
+          }
         }
       }
     }
   });
-  return {q, kscales, supers};
+  return {q, kscales, aux};
 }
+
+std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order) { return k_quant_to_tiled(blocks, order, false); }
+std::vector<at::Tensor> q5k_to_tiled(at::Tensor blocks, at::Tensor order) { return k_quant_to_tiled(blocks, order, true); }

@@ -156,16 +156,27 @@ QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, co
   m.tiles = qweight.size(0) / 8;
   m.groups = (m.K + group - 1) / group;
   m.blocks_per_group = group / QK;
-  if (int4 && scales.scalar_type() == at::kByte) {  // the K-quant form (qgemv.h)
+  if (int4 && scales.scalar_type() == at::kByte) {  // the K-quant forms (qgemv.h)
+    const int64_t nsb = m.groups / K_GROUPS;
+    const bool five = mins.scalar_type() == at::kInt;  // Q5_K: fifth bits, then d/dmin
     TORCH_CHECK(group == QK && m.groups % K_GROUPS == 0 && scales.is_contiguous() && scales.dim() == 3 &&
                 scales.size(0) == m.tiles && scales.size(1) == 2 * m.groups && scales.size(2) == 8 &&
-                mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.dim() == 3 &&
-                mins.size(0) == m.tiles && mins.size(1) == 2 * m.groups / K_GROUPS && mins.size(2) == 8,
+                (five || mins.scalar_type() == at::kHalf) && mins.is_contiguous() && mins.dim() == 3 &&
+                mins.size(0) == m.tiles && mins.size(1) == (five ? m.groups + nsb : 2 * nsb) && mins.size(2) == 8,
                 "K-quant form: group 32, whole super-blocks of 256, uint8 sc/m [tiles, 2 x groups, 8] and fp16 "
-                "d/dmin [tiles, 2 x super-blocks, 8]");
+                "d/dmin [tiles, 2 x super-blocks, 8] (the 5-bit form: int32 fifth bits and d/dmin "
+                "[tiles, blocks + super-blocks, 8])");
     m.w4 = qweight.data_ptr<uint8_t>();
     m.kscales = scales.data_ptr<uint8_t>();
-    m.supers = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+    if (five) {
+      m.high = reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>());
+      m.high_stride = (m.groups + nsb) * 8;
+      m.supers = reinterpret_cast<const uint16_t*>(m.high + m.groups * 8);
+      m.super_stride = 2 * m.high_stride;
+    } else {
+      m.supers = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+      m.super_stride = 2 * nsb * 8;
+    }
     return m;
   }
   const bool bits5 = int4 && mins.numel() && mins.scalar_type() == at::kInt;
@@ -180,7 +191,10 @@ QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, co
   m.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (int4) {
     m.w4 = qweight.data_ptr<uint8_t>();
-    if (bits5) m.high = reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>());
+    if (bits5) {
+      m.high = reinterpret_cast<const uint32_t*>(mins.data_ptr<int32_t>());
+      m.high_stride = (m.K / QK) * 8;
+    }
     else if (mins.numel()) m.mins = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   } else {
     m.w8 = qweight.data_ptr<int8_t>();
@@ -217,21 +231,20 @@ void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const
       }
       return;
     }
+    if (m.high) prefetch_start(m.high_of(begin), (end - begin) * m.high_stride * 4);
     if (m.kscales) {  // per tile: 16 bytes of sc/m per group, 16 halves of d/dmin per super-block
+      const auto tile = m.high ? q4_tile8<true, true, true> : q4_tile8<true, false, true>;
       for (int64_t i = begin; i < end; ++i)
         for (int64_t t = 0; t < T; ++t)
-          q4_tile8<true, false, true>(W + i * 4 * K, nullptr, m.supers + i * (G / K_GROUPS) * 16, XQ + t * K,
-                                      DX + t * nb, xg + t * G, nb, G, bpg, Y + t * N + i * 8,
-                                      std::min<int64_t>(8, N - i * 8), nullptr, m.kscales + i * G * 16);
+          tile(W + i * 4 * K, nullptr, m.supers_of(i), XQ + t * K, DX + t * nb, xg + t * G, nb, G, bpg,
+               Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8), m.high_of(i), m.kscales + i * G * 16);
       return;
     }
     const auto tile = m.high ? q4_tile8<false, true> : m.mins ? q4_tile8<true> : q4_tile8<false>;
-    if (m.high) prefetch_start(m.high + begin * nb * 8, (end - begin) * K);
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < T; ++t)
         tile(W + i * 4 * K, S + i * G * 8, m.mins ? m.mins + i * G * 8 : nullptr, XQ + t * K, DX + t * nb,
-             xg + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8),
-             m.high ? m.high + i * nb * 8 : nullptr, nullptr);
+             xg + t * G, nb, G, bpg, Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8), m.high_of(i), nullptr);
   } else {
     const int8_t* W = m.w8;
     prefetch_start(W + begin * 8 * K, (end - begin) * 8 * K);
@@ -291,13 +304,14 @@ static void dequant_row(const QMatrix& q, int64_t r, float* y) {
     const uint8_t* w = q.w4 + (r / 8) * 4 * K;
     const int64_t lane = r % 8, base = (r / 8) * G * 8 + lane;
     const uint8_t* sk = q.kscales ? q.kscales + (r / 8) * G * 16 : nullptr;
-    const uint16_t* dk = q.kscales ? M + (r / 8) * (G / K_GROUPS) * 16 : nullptr;
+    const uint16_t* dk = q.kscales ? q.supers_of(r / 8) : nullptr;
+    const uint32_t* h_tile = q.high_of(r / 8);
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t g = b / q.blocks_per_group;
       const float s = sk ? k_scale(sk, dk, g, lane) : half_to_float(q.scales[base + g * 8]);
       const float m = sk ? k_min(sk, dk, g, lane) : M ? half_to_float(M[base + g * 8]) : 0.f;
       const float off = M ? 0.f : H ? 16.f : 8.f;
-      const uint32_t h = H ? H[(r / 8) * nb * 8 + b * 8 + lane] : 0;
+      const uint32_t h = H ? h_tile[b * 8 + lane] : 0;
       for (int c = 0; c < 4; ++c)
         for (int j = 0; j < 4; ++j) {
           const uint8_t byte = w[b * 128 + 32 * c + 4 * lane + j];

@@ -48,6 +48,9 @@ inline float half_to_float(uint16_t h) {
 // super-block of 256 the fp16 factors d and dmin (`supers`, passed in the mins' place: fp16
 // [tiles, 2 x super-blocks, 8]); the weight is code · (d·sc) − dmin·m, both products exact in fp32,
 // as llama.cpp computes them: 148 bytes per row and super-block, the file's 144 plus the unpacked sc/m.
+// Its 5-bit variant (GGUF Q5_K, exact) adds the 5-bit grid's plane of fifth bits (codes 0-31): the plane
+// and d/dmin travel in the mins' place as one int32 tensor [tiles, blocks + super-blocks, 8] (each tile's
+// plane, then its fp16 d/dmin pairs as above): 180 bytes per row and super-block against the file's 176.
 constexpr int64_t K_GROUPS = 8;  // groups of 32 per super-block of 256
 // The 6-bit K-quant form (GGUF Q6_K, exact): codes 0-63 as the int4 layout's low nibbles plus two planes of
 // bits (the fifth and the sixth, each laid out as the 5-bit grid's), an int8 scale sc per 16 values
@@ -67,7 +70,10 @@ struct QMatrix {
   const uint32_t* high6 = nullptr;   // 6-bit K-quant form: the codes' sixth bits
   const float* d6 = nullptr;         // 6-bit K-quant form: d per super-block
   int64_t K = 0, rows = 0, tiles = 0, groups = 0, blocks_per_group = 0;
+  int64_t high_stride = 0, super_stride = 0;  // uint32s of `high`, halves of `supers` per tile
   int64_t tile_bytes() const { return w4 ? (high ? 5 * K : 4 * K) : 8 * K; }
+  const uint32_t* high_of(int64_t tile) const { return high ? high + tile * high_stride : nullptr; }
+  const uint16_t* supers_of(int64_t tile) const { return supers + tile * super_stride; }
 };
 // Checks the tensors' layout (one message naming what is wrong) and points into them.
 QMatrix quantized_matrix(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins, int64_t group,
@@ -94,6 +100,7 @@ std::vector<at::Tensor> q4_gguf_to_tiled(at::Tensor blocks, bool has_min, at::Te
 std::vector<at::Tensor> q8_gguf_to_tiled(at::Tensor blocks, at::Tensor order);
 std::vector<at::Tensor> q6k_to_tiled(at::Tensor blocks);  // the 6-bit K-quant form
 std::vector<at::Tensor> q4k_to_tiled(at::Tensor blocks, at::Tensor order);
+std::vector<at::Tensor> q5k_to_tiled(at::Tensor blocks, at::Tensor order);  // the 5-bit K-quant form
 // The vector ISA this build's products use (the build flags decide: hardy.compress.kernels._isa).
 bool built_with_avx2();
 bool built_with_vnni();
