@@ -226,6 +226,7 @@ inline void q6_tile8(const uint8_t* W, const int8_t* SC, const uint32_t* H5, con
     const __m256i h6 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(H6 + 8 * b));
     _mm_prefetch(reinterpret_cast<const char*>(H5 + 8 * b) + PF_BYTES / 4, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(H6 + 8 * b) + PF_BYTES / 4, _MM_HINT_T0);
+    if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(SC + 16 * b) + PF_BYTES / 8, _MM_HINT_T0);
     // the planes merged once per block (8 operations instead of 32 over the chunks): bits 2c and 2c + 1
     // of `low` are the fifth and sixth bits of chunk c's low-nibble code, of `high` its high-nibble code's
     const __m256i m55 = _mm256_set1_epi8(0x55), mAA = _mm256_set1_epi8((char)0xAA);
