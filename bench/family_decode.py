@@ -6,12 +6,17 @@
 
 hardy's run is `generate` from the file's BOS, `--new-tokens` greedy tokens through the fused decode stack
 and the paged KV cache (--kv-dtype); llama-bench's tg test decodes the same number from an empty context
-with its default f16 KV cache. Each hardy repetition is a fresh generation in one loaded process.
+with its default f16 KV cache. Each hardy repetition is a fresh generation in one loaded process, or
+with `--fresh` a fresh process (load, one warm-up generation, the measured one), as each llama-bench run
+is: on a shared VM, the first seconds after a 5 GB process exits run slower (BENCHMARKS.md), and a
+long-lived hardy process measured right after each llama-bench exit pays for that while llama-bench never
+does; with `--fresh` both sides follow the other's exit.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +25,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, llama_bench, llama_cpp_label, median_ci  # noqa: E402
+
+
+def in_process(args, cache: dict = {}) -> float:  # noqa: B006 (the loaded model, kept between calls)
+    """Decode tokens/s of one generation in this process (the model loaded, and warmed up, on the first call)."""
+    from hardy.infer.generate import SamplingConfig, generate
+    from hardy.infer.kv import KV_DTYPES
+    from hardy.loading.load import load_model
+
+    if "model" not in cache:
+        loaded = load_model(args.model, gguf="native")
+        cache["model"] = loaded.model
+        cache["prompt"] = [loaded.tokenizer.bos_id if loaded.tokenizer.bos_id is not None else 0]
+        in_process(args)  # warm-up (first-touch of the weights, allocator)
+    cfg = SamplingConfig(max_new_tokens=args.new_tokens + 1)  # the first comes from the prefill
+    return generate(cache["model"], cache["prompt"], cfg, kv_dtype=KV_DTYPES[args.kv_dtype]).stats.decode_tps
+
+
+def fresh_process(args) -> float:
+    """in_process's figure from a fresh process: load, warm-up, then the measured generation."""
+    worker = [sys.executable, __file__, "--worker", "--model", args.model, "--threads", str(args.threads),
+              "--new-tokens", str(args.new_tokens), "--kv-dtype", args.kv_dtype]
+    proc = subprocess.run(worker, capture_output=True, text=True, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -31,36 +59,32 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--pause", type=float, default=1.0, help="seconds of rest before each run (both runtimes)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fresh", action="store_true", help="each hardy repetition in a fresh process")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    from hardy.infer.generate import SamplingConfig, generate
-    from hardy.infer.kv import KV_DTYPES
-    from hardy.loading.load import load_model, resolve_source
+    from hardy.loading.load import resolve_source
 
     torch.set_num_threads(args.threads)
     _, path = resolve_source(args.model)
-    loaded = load_model(args.model, gguf="native")
-    prompt = [loaded.tokenizer.bos_id if loaded.tokenizer.bos_id is not None else 0]
-    cfg = SamplingConfig(max_new_tokens=args.new_tokens + 1)  # the first comes from the prefill
-
-    def hardy_tps() -> float:
-        g = generate(loaded.model, prompt, cfg, kv_dtype=KV_DTYPES[args.kv_dtype])
-        return g.stats.decode_tps
-
-    hardy_tps()  # warm-up (first-touch of the weights, allocator)
+    hardy_tps = fresh_process if args.fresh and not args.worker else in_process
+    if args.worker:
+        print(hardy_tps(args))
+        return
     ours, theirs = [], []
     for rep in range(args.reps):
         time.sleep(args.pause)
         theirs += llama_bench(path, args.threads, prompt=0, gen=args.new_tokens)
         time.sleep(args.pause)
-        ours.append(hardy_tps())
+        ours.append(hardy_tps(args))
         print(f"rep {rep + 1}: llama.cpp {theirs[-1]:.1f}  hardy {ours[-1]:.1f} tokens/s", flush=True)
     h, c = median_ci(ours), median_ci(theirs)
     ratios = median_ci([a / b for a, b in zip(ours, theirs)])
     print(f"\n{args.model} ({path.name}), {args.threads} threads, tg{args.new_tokens}, {cpu_line()}; {llama_cpp_label()}")
     print("| runtime | decode tokens/s, median [95% interval] |\n|---|---|")
     print(f"| llama.cpp llama-bench (f16 KV) | {fmt(*c)} |\n| hardy ({args.kv_dtype} KV) | {fmt(*h)} |")
-    print(f"ratio hardy / llama.cpp, per alternating pair: {fmt(*ratios, digits=2)}")
+    print(f"ratio hardy / llama.cpp, per alternating pair: {fmt(*ratios, digits=2)}"
+          f"{' (hardy: a fresh process per repetition)' if args.fresh else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "file": str(path), "threads": args.threads,
                                                "hardy": ours, "llama_cpp": theirs, "cpu": cpu_line(),
