@@ -1,5 +1,5 @@
 """Each GGUF type's decode kernel on one matrix, as a native load holds it: random blocks of the type
-(finite fp16 scales) converted by the loader's own path, applied to one token, median of `--calls`
+(bench/big_cpu_model.py's) converted by the loader's own path, applied to one token, median of `--calls`
 calls, `--repeats` rounds alternating the types; bytes held, time per call and the bytes per second it
 streams, against this machine's DRAM read bandwidth. Llama-3.1-8B's gate/up (14336 x 4096) and down
 (4096 x 14336) projections by default. Each call applies the next of several copies of the matrix
@@ -17,32 +17,21 @@ import gguf
 import numpy as np
 import torch
 
+from big_cpu_model import random_blocks, read_bandwidth
 from decode_common import median_s
 
 from hardy.compress import kernels
 from hardy.compress.qlinear import QuantLinear
 from hardy.formats.gguf_quant import packed_from_gguf
 
-# byte offsets of each type's fp16 scale fields, and a value that keeps the weights small and finite
-SCALES = {"Q4_0": ((0,), 0.005), "Q8_0": ((0,), 0.0003), "Q4_K": ((0, 2), 0.0003), "Q5_K": ((0, 2), 0.00015),
-          "Q6_K": ((208,), 0.0003)}
-
 
 class BlockTensor:
     """What the loader reads from a GGUF tensor: name, type, shape (columns first) and the block bytes."""
 
     def __init__(self, qtype: str, rows: int, cols: int, seed: int = 0):
-        kind = gguf.GGMLQuantizationType[qtype]
-        values, size = gguf.GGML_QUANT_SIZES[kind]
-        rng = np.random.default_rng(seed)
-        blocks = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-        offsets, scale = SCALES[qtype]
-        for o in offsets:
-            blocks[:, :, o:o + 2] = np.full(blocks.shape[:2], scale, np.float16).view(np.uint8).reshape(
-                *blocks.shape[:2], 2)
-        self.name, self.tensor_type = f"bench.{qtype}", kind
+        self.name, self.tensor_type = f"bench.{qtype}", gguf.GGMLQuantizationType[qtype]
         self.shape = np.array([cols, rows], dtype=np.uint64)
-        self.data = blocks.reshape(rows, -1)
+        self.data = random_blocks(np.random.default_rng(seed), rows, cols, qtype)  # what bench/big_cpu_model.py writes
 
 
 def held(layer) -> int:
@@ -50,8 +39,6 @@ def held(layer) -> int:
 
 
 def main() -> None:
-    from big_cpu_model import read_bandwidth
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_0,Q4_K,Q5_K,Q6_K,Q8_0")
     ap.add_argument("--shapes", default="14336x4096,4096x14336")

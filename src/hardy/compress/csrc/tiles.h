@@ -1,5 +1,5 @@
 // The per-tile products of the tiled layouts (qgemv.cpp's matrix_tiles and dequant_rows use them): the
-// int4 grids (Q4_0/Q4_1, the 5-bit grid, the K-quant form of Q4_K), the 6-bit K-quant form of Q6_K, and
+// int4 grids (Q4_0/Q4_1, the 5-bit grid, the K-quant forms of Q4_K and Q5_K), the 6-bit K-quant form of Q6_K, and
 // int8. Included by qgemv.cpp alone: internal to it, as its own anonymous namespace is.
 #pragma once
 #include "qgemv.h"
@@ -64,23 +64,19 @@ inline void prefetch_start(const void* first, int64_t bytes) {
 // that byte meets in chunk c's low (h = 0) or high (h = 1) nibble. One shift and one mask then give
 // a chunk's 32 fifth bits as 0 or 16 in place, instead of spreading bits of each row to bytes.
 #ifdef HARDY_AVX2
-template <int P>
-inline __m256i fifth_bits(__m256i h) {  // bit P of every byte, as 16 or 0
-  const __m256i sixteen = _mm256_set1_epi8(16);
-  if constexpr (P < 4) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - P), sixteen);
-  else if constexpr (P > 4) return _mm256_and_si256(_mm256_srli_epi16(h, P - 4), sixteen);
-  else return _mm256_and_si256(h, sixteen);
-}
-#endif
-
-#ifdef HARDY_AVX2
-template <int C>
-inline __m256i two_bits(__m256i v) {  // bits 2C and 2C + 1 of every byte, as 0, 16, 32 or 48
-  const __m256i mask = _mm256_set1_epi8(0x30);
-  if constexpr (C < 2) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - 2 * C), mask);
-  else if constexpr (C > 2) return _mm256_and_si256(_mm256_srli_epi16(v, 2 * C - 4), mask);
+// Bits From.. of every byte moved to bit 4 and kept where `mask` has bits: fifth_bits<P> (bit P, as 16
+// or 0) and two_bits<C> (bits 2C and 2C + 1, as 0, 16, 32 or 48). The shift runs in 16-bit lanes; the
+// bits it carries across a byte boundary land outside the mask.
+template <int From>
+inline __m256i at_bit_4(__m256i v, __m256i mask) {
+  if constexpr (From < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - From), mask);
+  else if constexpr (From > 4) return _mm256_and_si256(_mm256_srli_epi16(v, From - 4), mask);
   else return _mm256_and_si256(v, mask);
 }
+template <int P>
+inline __m256i fifth_bits(__m256i h) { return at_bit_4<P>(h, _mm256_set1_epi8(0x10)); }
+template <int C>
+inline __m256i two_bits(__m256i v) { return at_bit_4<2 * C>(v, _mm256_set1_epi8(0x30)); }
 #endif
 
 #ifdef HARDY_AVX2
@@ -112,7 +108,7 @@ inline float k_min(const uint8_t* SK, const uint16_t* D, int64_t g, int r) {
 }
 
 // The int4 tile; Bits5: with each code's fifth bit from H (the 5-bit grid, (code − 16) · scale);
-// KQuant: the K-quant form (qgemv.h), S unused, SK its sc/m bytes and M its d/dmin.
+// KQuant: the K-quant form (qgemv.h), S unused, SK its sc/m bytes and M its d/dmin (with Bits5: Q5_K's).
 template <bool HasMin, bool Bits5 = false, bool KQuant = false>
 inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, const float* dx,
                      const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t valid,
