@@ -463,3 +463,34 @@ def test_loading_a_gguf_and_generating_leave_distributed_checkpointing_unimporte
     assert proc.returncode == 0, proc.stderr[-2000:]
     tokens, imported = proc.stdout.strip().splitlines()[-2:]
     assert len(json.loads(tokens)) == 4 and imported == "[]", proc.stdout
+
+
+def _resident_pages(path) -> tuple[int, int]:
+    """(resident, all) pages of `path`'s tensor data as this process maps it (/proc/self/pagemap's
+    present bit: readable without privileges)."""
+    reader = open_gguf(path)
+    first = min(t.data_offset for t in reader.tensors) // 4096
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if fields[-1] == str(path.resolve()):
+            begin, end = (int(x, 16) for x in fields[0].split("-"))
+            with open("/proc/self/pagemap", "rb") as f:
+                f.seek((begin // 4096 + first) * 8)
+                entries = np.frombuffer(f.read((end - begin) // 4096 * 8 - first * 8), dtype=np.uint64)
+            return int((entries >> np.uint64(63)).sum()), entries.size
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_a_native_load_keeps_none_of_the_files_pages(smollm2_path):
+    """Each tensor's pages leave the process once it is converted, including those the kernel mapped
+    again around the next tensor's first read (fault-around), and the map itself is gone after the load:
+    the process holds the weights once, not the converted copy plus the file."""
+    from hardy.compress import kernels
+    from hardy.formats.gguf_io import close_gguf_files
+
+    close_gguf_files()  # a map other tests read through may hold any of the file's pages
+    load_gguf_quantized(smollm2_path, converter=kernels.load())
+    resident, pages = _resident_pages(smollm2_path)
+    assert pages > 20_000 and resident <= pages // 200, (resident, pages)
+    load_model(str(smollm2_path), gguf="native")
+    assert str(smollm2_path.resolve()) not in open("/proc/self/maps").read()

@@ -36,6 +36,12 @@ def open_gguf(path: str | os.PathLike):
     return _open_cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
+def close_gguf_files() -> None:
+    """Drop the kept parses, so their memory maps (metadata and any tensor pages read through them)
+    leave the process once a load has taken what it needs."""
+    _open_cached.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _open_cached(path: str, size: int, mtime_ns: int):
     return GGUFFile(path)
@@ -175,7 +181,7 @@ def load_gguf_quantized(path: str | os.PathLike, name: str = "custom", progress:
             else:
                 w = dequantize_tensor(t)
                 state[ours] = unpermute_qk(w, heads) if heads else w
-            reader.release(t)
+            reader.release_read(t)
             bar.update(1)
     return cfg, state, quantized, tokenizer, types
 

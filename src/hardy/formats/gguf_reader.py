@@ -25,6 +25,7 @@ from hardy.errors import HardyError
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
+FOLIO_REACH = 2 << 20  # the largest page-cache folio a read fault maps whole (one PMD on x86-64)
 STRING_CHUNK = 1 << 22
 # value type -> (struct format, size); 8 = string, 9 = array
 SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -215,11 +216,19 @@ class GGUFFile:
         been copied out (they stay in the page cache): a loader that re-lays tensor by tensor then
         holds one copy of the weights, not two. A page shared with a neighbour's bytes is dropped too:
         it is read back from the page cache if touched again."""
+        self._drop(*self._pages(t, begin, end))
+
+    def release_read(self, t: TensorInfo) -> None:
+        """Drop a converted tensor's pages and those that reading it mapped again behind it: a read
+        fault maps the page cache's neighbouring pages too (fault-around, or a whole large folio: at
+        most FOLIO_REACH, naturally aligned), reaching back into tensors released before."""
+        first, length = self._pages(t)
+        start = first // FOLIO_REACH * FOLIO_REACH
+        self._drop(start, first + length - start)
+
+    def _drop(self, first: int, length: int) -> None:
         raw = getattr(self.mmap, "_mmap", None)
-        if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        first, length = self._pages(t, begin, end)
-        if length:
+        if length and raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             raw.madvise(mmap.MADV_DONTNEED, first, length)
 
     def _tensor(self, gguf, start: int, name: str, dims: list[int], qtype, offset: int) -> TensorInfo:

@@ -18,13 +18,14 @@ from hardy.compress import kernels
 from hardy.compress.kernels import prepare
 from hardy.compress.store import is_compressed_dir, load_compressed, model_from_compressed
 from hardy.errors import HardyError
-from hardy.formats.gguf_io import load_gguf, load_gguf_quantized, open_gguf, read_config as gguf_config
+from hardy.formats.gguf_io import close_gguf_files, load_gguf, load_gguf_quantized, open_gguf, read_config as gguf_config
 from hardy.formats.gguf_quant import is_quantized
 from hardy.formats.hf import open_hf_dir, read_config
 from hardy.formats.names import check_layer_count, check_weights
 from hardy.formats.packaged import PACKAGED, packaged_gguf
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
+from hardy.ops.memory import trim_heap
 from hardy.model.transformer import Transformer, meta_transformer
 
 
@@ -136,7 +137,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         if gguf == "native":
             cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress,
                                                                       tp_slices=tp_slices, converter=kernels.load())
-            return quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
+            loaded = quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
+            del state, quantized
+            close_gguf_files()
+            trim_heap()  # the conversion's freed temporaries, so a big file's RSS settles at its size
+            return loaded
 
         cfg, state, tokenizer, _ = load_gguf(path, name=name)
     else:
