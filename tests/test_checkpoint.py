@@ -78,3 +78,68 @@ def test_dcp_metadata_passes_the_allow_list_and_anything_else_is_refused(tmp_pat
     (ckpt / ".metadata").write_bytes(b"\x80\x04not a pickle")
     with pytest.raises(HardyError, match="damaged"):
         check_dcp_metadata(ckpt)
+
+
+def fail_writes_into(monkeypatch, step: int, err: int):
+    """Injected at DCP's filesystem layer: every shard written into step `step`'s checkpoint fails with
+    OSError(err) after its first bytes, as a full or failing disk would."""
+    import contextlib
+    import os
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    original = FileSystem.create_stream
+
+    class Failing:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, data):
+            self.stream.write(bytes(data)[:16])
+            raise OSError(err, os.strerror(err))
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with original(self, path, mode) as stream:
+            yield Failing(stream) if "w" in mode and f"step_{step:08d}" in str(path) else stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path, micro_dataset, monkeypatch):
+    import errno
+
+    from hardy.checkpoint.manager import step_dirs
+    from hardy.errors import HardyError
+    from trainutil import in_process
+
+    fail_writes_into(monkeypatch, 4, errno.ENOSPC)
+    with pytest.raises(HardyError) as caught:
+        in_process(tmp_path / "run", micro_dataset, "train.steps=6", "checkpoint.interval=2",
+                   "checkpoint.async_save=false")
+    message = str(caught.value)
+    root = tmp_path / "run" / "checkpoints"
+    assert "\n" not in message and f"no space left in {root}" in message and "needs about" in message
+    assert message.endswith("the resume point stays step_00000002")
+    assert [step for step, _ in step_dirs(root)] == [2] and not list(root.glob(".step_00000004*"))
+    verify_manifest(root / "step_00000002")
+
+
+def test_a_failed_asynchronous_save_is_reported_and_training_goes_on(tmp_path, micro_dataset, monkeypatch):
+    import errno
+
+    from hardy.checkpoint.manager import step_dirs
+    from trainutil import in_process, read_records
+
+    fail_writes_into(monkeypatch, 4, errno.EIO)
+    summary = in_process(tmp_path / "run", micro_dataset, "train.steps=6", "checkpoint.interval=2",
+                         "checkpoint.async_save=true", "checkpoint.at_end=true")
+    assert summary.steps == 6
+    failed = [r for r in read_records(tmp_path / "run") if r["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and "step 4 was not written (OSError: [Errno 5]" in failed[0]["error"]
+    assert "the resume point stays step_00000002" in failed[0]["error"]
+    root = tmp_path / "run" / "checkpoints"
+    assert [step for step, _ in step_dirs(root)] == [6, 2] and not list(root.glob(".step_00000004*"))

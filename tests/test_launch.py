@@ -15,9 +15,10 @@ import psutil
 import pytest
 
 from conftest import REPO, hardy_main
+from hardy.checkpoint.manager import step_dirs
 from hardy.errors import HardyError
 from hardy.ops.launch import Launch, node_rank_of
-from trainutil import BASE, assert_bitwise_equal, launch
+from trainutil import BASE, _empty_config, assert_bitwise_equal, launch
 
 STEPS = ("train.steps=12", "checkpoint.interval=4", "checkpoint.at_end=true", "checkpoint.keep=5",
          "fault.startup_timeout_s=60", "fault.hang_timeout_s=60")
@@ -81,6 +82,68 @@ def test_two_nodes_survive_the_loss_of_one_and_finish_bitwise_equal(tmp_path, mi
     assert_bitwise_equal(run / "checkpoints" / "step_00000012", baseline / "checkpoints" / "step_00000012")
 
 
+def test_sigterm_to_the_launcher_checkpoints_at_the_next_step_and_the_same_command_resumes(tmp_path, micro_dataset):
+    """A preemption: SIGTERM to `hardy launch` alone reaches both workers through torchrun's agent; they
+    agree on one step in the step's all-reduce, save it, and the launcher exits 0. The same command then
+    resumes from that step and ends bitwise equal to a run that was never stopped."""
+    sets = [*STEPS, "checkpoint.interval=100"]  # no periodic save: the stop's checkpoint is the only one
+    baseline = tmp_path / "baseline"
+    launch(baseline, micro_dataset, 2, *sets)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hardy", "launch", "--nproc", "2", "--run-dir", str(run), _empty_config(tmp_path),
+           *[a for s in [*BASE, f"data.path={micro_dataset}", "train.threads=1", *sets, PACED] for a in ("--set", s)]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while last_step(run) < 3 and time.time() < deadline and first.poll() is None:
+                time.sleep(0.1)
+            first.send_signal(signal.SIGTERM)  # the launcher only, as a scheduler's notice would reach it
+            code = first.wait(timeout=120)
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+    out = (tmp_path / "first.log").read_text()
+    assert code == 0, out[-3000:]
+    stopped = json.loads((run / "preempted.json").read_text())
+    assert 3 <= stopped["step"] < 12 and stopped["signal"] == "SIGTERM", stopped
+    assert f"SIGTERM: stopped after step {stopped['step']}" in out
+    assert [step for step, _ in step_dirs(run / "checkpoints")] == [stopped["step"]]
+    resumed = subprocess.run(cmd[:-2], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)  # unpaced
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step_{stopped['step']:08d}" in resumed.stdout + resumed.stderr
+    assert not (run / "preempted.json").exists()
+    assert_bitwise_equal(run / "checkpoints" / "step_00000012", baseline / "checkpoints" / "step_00000012")
+
+
+def test_a_stop_signal_to_one_worker_stops_every_rank_after_the_same_step(tmp_path, micro_dataset):
+    """SIGUSR1 (Slurm's warning) reaching rank 1 alone: the flag travels in the step's all-reduce, so
+    rank 0 stops after the same step, both save it, and the job ends cleanly with that checkpoint."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hardy", "launch", "--nproc", "2", "--run-dir", str(run), _empty_config(tmp_path),
+           *[a for s in [*BASE, f"data.path={micro_dataset}", "train.threads=1", *STEPS, "checkpoint.interval=100",
+                         PACED] for a in ("--set", s)]]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while last_step(run) < 2 and time.time() < deadline and job.poll() is None:
+            time.sleep(0.1)
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGUSR1)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out[-3000:]
+    stopped = json.loads((run / "preempted.json").read_text())
+    assert stopped["signal"] == "SIGTERM/SIGUSR1 on another rank"  # rank 0 writes it; rank 1 got the signal
+    assert f"stopped on SIGTERM/SIGUSR1 on another rank after step {stopped['step']}" in out and stopped["step"] < 12
+    assert [step for step, _ in step_dirs(run / "checkpoints")] == [stopped["step"]]
+
+
 def test_launcher_arguments_are_checked_before_anything_starts():
     assert Launch(2).torchrun_args(["train"])[:1] == ["--standalone"]
     args = Launch(4, 3, "1:2", "10.0.0.1:29500", "job", 0).torchrun_args(["train", "c.toml"])
@@ -102,7 +165,7 @@ def test_launcher_arguments_are_checked_before_anything_starts():
 def fake_slurm(bin_dir, head_ip: str):
     """scontrol/srun/hostname as a two-node allocation would answer; srun prints the launcher it starts."""
     scripts = {
-        "scontrol": 'echo node-a; echo node-b',
+        "scontrol": f'echo "$*" >> {bin_dir}/scontrol.log; echo node-a; echo node-b',
         "srun": ('while [ "${1#-}" != "$1" ]; do case "$1" in -w) shift 2;; *) shift;; esac; done\n'
                  'if [ "$1" = hostname ]; then exec "$@"; fi\necho "LAUNCH $*"'),
         "hostname": f'if [ "$1" = --ip-address ]; then echo "{head_ip}"; else echo "10.1.2.3 172.17.0.1"; fi',
@@ -120,7 +183,8 @@ def test_slurm_script_finds_the_head_node_and_starts_one_launcher_per_node(tmp_p
     assert proc.returncode == 0, proc.stderr
     script = (tmp_path / "run" / "sbatch.sh").read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --time=01:00:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST"'):
+                 "#SBATCH --time=01:00:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST"',
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue"):
         assert line in script
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -137,6 +201,11 @@ def test_slurm_script_finds_the_head_node_and_starts_one_launcher_per_node(tmp_p
     assert words[words.index("--nnodes") + 1] == "2" and words[words.index("--nproc") + 1] == "4"
     assert words[words.index("--rdzv-id") + 1] == "4242" and "train.steps=50" in words
     assert str(REPO / "configs" / "tiny-cpu.toml") in words
+    assert "requeue" not in (bin_dir / "scontrol.log").read_text()  # the run ended: nothing to requeue
+    (tmp_path / "run" / "preempted.json").write_text('{"step": 7}')  # it stopped on the warning signal
+    again = subprocess.run(["bash", str(tmp_path / "run" / "sbatch.sh")], capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert again.returncode == 0 and "requeue 4242" in (bin_dir / "scontrol.log").read_text(), again.stderr
 
 
 def test_slurm_script_refuses_what_cannot_work():

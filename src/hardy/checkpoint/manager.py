@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -29,19 +30,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hardy.checkpoint.safe_metadata import SafeFileSystemReader, check_dcp_metadata
 from hardy.errors import HardyError
 from hardy.fsio import fsync_path, write_json_atomic
-from hardy.parallel.distributed import barrier
+from hardy.parallel.distributed import barrier, gather_strings, share_from_main
 
 log = logging.getLogger(__name__)
 
 MANIFEST, COMPLETE, TRAINER = "manifest.json", "COMPLETE", "trainer.json"
 _HASHES = ".hashes_rank_"  # per-rank checksums, merged into the manifest and removed
 _STEP_DIR = re.compile(r"step_(\d{8})$")
+VERIFY_TIMEOUT_S = 6 * 3600  # how long ranks wait for each other's checksums (a rank that dies ends the attempt)
 
 
 @contextlib.contextmanager
@@ -54,6 +57,49 @@ def _quiet_single_process():
 
 class CheckpointCorrupt(Exception):
     pass
+
+
+class SaveFailed(HardyError):
+    """A checkpoint was not written (on some rank); its partial directory is removed and the newest
+    complete checkpoint stays the resume point. `disk_full`: the write ran out of space."""
+
+    def __init__(self, message: str, disk_full: bool):
+        super().__init__(message)
+        self.disk_full = disk_full
+
+
+def _errors_of(error: BaseException):
+    """The error and those it wraps: causes, contexts, and DCP's per-rank failures."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [pair[0] for pair in e.failures.values()]
+
+
+def _disk_full(error: BaseException | None) -> bool:
+    return error is not None and any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _errors_of(error))
+
+
+def _state_bytes(state) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: DTensors by their local shard."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
 
 
 def sha256_file(path: Path) -> str:
@@ -99,8 +145,29 @@ def write_manifest(directory: Path) -> None:
     fsync_path(directory)
 
 
-def verify_manifest(directory: Path) -> None:
-    """Raise CheckpointCorrupt naming the first file that is missing, truncated or altered."""
+def verify_manifest(directory: Path, rank: int = 0, world: int = 1) -> None:
+    """Raise CheckpointCorrupt naming the first file that is missing, truncated or altered. With `world`
+    > 1, this rank checksums only its share of the bytes (`share`); every rank checks names and sizes."""
+    files = _listed_files(directory)
+    for name in share(files, rank, world):
+        if sha256_file(directory / name) != files[name]["sha256"]:
+            raise CheckpointCorrupt(f"{directory / name}: checksum mismatch (corrupted)")
+
+
+def share(files: dict, rank: int, world: int) -> list[str]:
+    """This rank's files to checksum: the largest first, each to the rank with the fewest bytes so far
+    (ties to the lower rank), so every rank reads about 1/world of the checkpoint; the same on all."""
+    load, mine = [0] * world, []
+    for name in sorted(files, key=lambda n: (-files[n]["bytes"], n)):
+        target = min(range(world), key=lambda r: (load[r], r))
+        load[target] += files[name]["bytes"]
+        if target == rank:
+            mine.append(name)
+    return mine
+
+
+def _listed_files(directory: Path) -> dict:
+    """The manifest's files, after checking that each is present at its size and nothing else is."""
     manifest_file = directory / MANIFEST
     try:
         manifest = json.loads(manifest_file.read_text())
@@ -117,8 +184,24 @@ def verify_manifest(directory: Path) -> None:
             raise CheckpointCorrupt(f"{f}: missing")
         if f.stat().st_size != info["bytes"]:
             raise CheckpointCorrupt(f"{f}: {f.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)")
-        if sha256_file(f) != info["sha256"]:
-            raise CheckpointCorrupt(f"{f}: checksum mismatch (corrupted)")
+    return files
+
+
+def _attempt(work) -> BaseException | None:
+    """Run `work`; the write error it raised (a failed save is agreed on by all ranks before it is raised)."""
+    try:
+        work()
+    except (OSError, CheckpointException) as e:
+        return e
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    """The innermost error's own message: DCP wraps it in a multi-line report with tracebacks."""
+    inner = [e for e in _errors_of(error) if not isinstance(e, CheckpointException)]
+    e = inner[-1] if inner else error
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def rng_state() -> dict:
@@ -151,13 +234,6 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.device = keep, rank, device
 
-    def _broadcast_int(self, value: int) -> int:
-        if not dist.is_initialized():
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=0)
-        return int(t.item())
-
     def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, written=None,
              asynchronous: bool = False) -> Path:
         """Collective: every rank calls it. `written()` runs once this rank's files are on disk
@@ -178,26 +254,38 @@ class CheckpointManager:
         barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        # Side files first (tiny; fsynced later together with the shards, off the training thread).
-        write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state, durable=False)
-        if self.rank == 0:
-            write_json_atomic(partial / TRAINER, trainer_state, durable=False)
+        self._needed = _state_bytes(state) * (dist.get_world_size() if dist.is_initialized() else 1)
+
+        def side_files():  # tiny; fsynced later together with the shards
+            write_json_atomic(partial / f"rank_{self.rank:05d}.json", rank_state, durable=False)
+            if self.rank == 0:
+                write_json_atomic(partial / TRAINER, trainer_state, durable=False)
+
+        # DCP first: its collectives run on every rank whatever fails locally, and report a failed
+        # write to all of them; a rank's own failures after it are agreed on in _finalize.
         with _quiet_single_process():
             if asynchronous:
                 response = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group(),
                                           async_stager=self._stager())
                 upload = getattr(response, "upload_completion", response)
                 self._staging = getattr(response, "staging_completion", None)
-            else:
+                future = self._background().submit(
+                    lambda: (upload.result(), side_files(), hash_own_files(partial, self.rank)))
+                self._pending = (step, partial, final, future)
+                if written is not None:
+                    written()
+                return final
+            error = None
+            try:
                 dcp.save(state, checkpoint_id=str(partial))
-        if written is not None:
+                side_files()
+            except (OSError, CheckpointException) as e:
+                error = e
+        if written is not None and error is None:
             written()
-        if asynchronous:
-            future = self._background().submit(lambda: (upload.result(), hash_own_files(partial, self.rank)))
-            self._pending = (step, partial, final, future)
-            return final
-        hash_own_files(partial, self.rank)
-        self._finalize(step, partial, final)
+        if error is None:
+            error = _attempt(lambda: hash_own_files(partial, self.rank))
+        self._finalize(step, partial, final, error)
         return final
 
     def close(self) -> None:
@@ -239,17 +327,49 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo")
         return getattr(self, "_group", None)
 
-    def _finalize(self, step: int, partial: Path, final: Path) -> None:
-        barrier()
+    def _finalize(self, step: int, partial: Path, final: Path, error: BaseException | None = None) -> None:
+        """Every rank's write succeeded: checksums, rename, COMPLETE. Otherwise SaveFailed on every rank."""
+        if self._any_rank(error is not None):  # also the barrier before rank 0 reads every rank's files
+            self._discard(step, partial, error)
         if self.rank == 0:
-            write_manifest(partial)
-            os.rename(partial, final)
-            fsync_path(self.root)
-            (final / COMPLETE).write_text(f"{step}\n")
-            fsync_path(final / COMPLETE)
-            fsync_path(final)
+            error = _attempt(lambda: self._complete(step, partial, final))
+            if error is not None:
+                shutil.rmtree(final, ignore_errors=True)  # renamed, but not COMPLETE
+        if self._any_rank(error is not None):
+            self._discard(step, partial, error)
+        if self.rank == 0:
             self._prune()
         barrier()
+
+    def _complete(self, step: int, partial: Path, final: Path) -> None:
+        write_manifest(partial)
+        os.rename(partial, final)
+        fsync_path(self.root)
+        (final / COMPLETE).write_text(f"{step}\n")
+        fsync_path(final / COMPLETE)
+        fsync_path(final)
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not dist.is_initialized():
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _discard(self, step: int, partial: Path, error: BaseException | None) -> None:
+        """Remove a failed save's partial directory (rank 0, once no rank writes to it) and raise SaveFailed."""
+        full = self._any_rank(_disk_full(error))
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        barrier()
+        newest = step_dirs(self.root)
+        keeps = f"the resume point stays {newest[0][1].name}" if newest else "there is no complete checkpoint yet"
+        if full:
+            free = shutil.disk_usage(self.root).free
+            raise SaveFailed(f"checkpoint of step {step}: no space left in {self.root} (it needs about "
+                             f"{_gib(self._needed)}, {_gib(free)} free); {keeps}", disk_full=True)
+        what = _one_line(error) if error is not None else "another rank's write failed"
+        raise SaveFailed(f"checkpoint of step {step} was not written ({what}); {keeps}", disk_full=False)
 
     def poll(self) -> Path | None:
         """Complete the in-flight asynchronous save if every rank's write is done (collective)."""
@@ -270,9 +390,9 @@ class CheckpointManager:
             return None
         self._pending = None
         step, partial, final, future = pending
-        self.staged()
-        future.result()
-        self._finalize(step, partial, final)
+        error = _attempt(self.staged)
+        error = error or _attempt(future.result)
+        self._finalize(step, partial, final, error)
         return final
 
     def _prune(self) -> None:
@@ -288,21 +408,29 @@ class CheckpointManager:
             self._background().submit(lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed])
 
     def find_resumable(self, explicit: Path | None = None) -> Path | None:
-        """Newest complete checkpoint whose manifest verifies (rank 0 decides, all ranks agree)."""
-        chosen = -1
-        candidates = [(0, explicit)] if explicit is not None else step_dirs(self.root)
-        if self.rank == 0:
-            for i, (_, d) in enumerate(candidates):
-                try:
-                    verify_manifest(d)
-                    chosen = i
-                    break
-                except CheckpointCorrupt as e:
-                    if explicit is not None:
-                        raise HardyError(f"checkpoint {d} failed verification: {e}") from None
-                    log.warning("skipping damaged checkpoint %s: %s", d.name, e)
-        chosen = self._broadcast_int(chosen)
-        return None if chosen < 0 else candidates[chosen][1]
+        """Newest complete checkpoint whose manifest verifies. Each rank checksums its share of the
+        files; the verdicts meet on the rendezvous store, outside any collective and its timeout (at
+        70B, reading the checkpoint takes minutes), so all ranks choose the same one."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self._searches = getattr(self, "_searches", 0) + 1
+        candidates = [explicit] if explicit is not None else [d for _, d in step_dirs(self.root)]
+        names = share_from_main(f"resume/{self._searches}/candidates", json.dumps([str(d) for d in candidates]),
+                                self.rank)
+        for i, d in enumerate(Path(n) for n in json.loads(names)):
+            try:
+                verify_manifest(d, self.rank, world)
+                verdict = ""
+            except CheckpointCorrupt as e:
+                verdict = str(e) or "corrupt"
+            verdicts = gather_strings(f"resume/{self._searches}/{i}", verdict, self.rank, world, VERIFY_TIMEOUT_S)
+            errors = [v for v in verdicts if v]
+            if not errors:
+                return d
+            if explicit is not None:
+                raise HardyError(f"checkpoint {d} failed verification: {errors[0]}")
+            if self.rank == 0:
+                log.warning("skipping damaged checkpoint %s: %s", d.name, errors[0])
+        return None
 
     def load(self, directory: Path, model, optimizer) -> tuple[dict, dict]:
         """Restore model + optimizer in place; returns (trainer_state, this rank's state)."""

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from hardy.errors import HardyError
+from hardy.fault.preempt import STOP_SIGNALS, preempted_since
 from hardy.fsio import write_bytes_atomic
 from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of
 
@@ -52,6 +55,9 @@ def register(sub) -> None:
     lp.set_defaults(func=run_launch)
 
 
+STOP_GRACE_S = 110  # what workers get to checkpoint after a stop signal: within Slurm's USR1@120 warning
+
+
 def default_run_dir(config: str | None) -> Path:
     return Path("runs") / (Path(config).stem if config else "default")
 
@@ -67,6 +73,7 @@ def run_train(args) -> int:
 
 
 def run_launch(args) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     from hardy.parallel.dims import ParallelDims
@@ -94,15 +101,35 @@ def run_launch(args) -> int:
         raise HardyError(f"--nproc {args.nproc} on a machine with {torch.cuda.device_count()} visible GPU(s): "
                          "start one process per GPU (or set parallel.backend = gloo to train on the CPU)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # SIGTERM or SIGUSR1 to the launcher reaches the workers (torchrun's agent forwards the signals it
+    # handles); they checkpoint after the next step and exit 0 within the grace period, then SIGKILL.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
     if args.nnodes:
         # A fresh store for every rendezvous round, hosted by that round's rank 0: with the store shared
         # across rounds (torch's default), survivors of a lost node keep dialling the store it hosted.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    started = time.time()
     try:
         run(torchrun_args)
+    except SignalException as e:
+        return stopped_by_signal(e.sigval, Path(run_dir), started)
     except Exception as e:  # torchrun's ChildFailedError: the workers already printed their errors
         print(f"hardy: error: training failed after {args.max_restarts} restart(s): {type(e).__name__}")
         return 1
+    return 0
+
+
+def stopped_by_signal(sig, run_dir: Path, started: float) -> int:
+    """The launcher got SIGTERM/SIGUSR1 (or another signal torchrun handles): 0 if the workers stopped on
+    a checkpoint of their own, as a preemption should; 1 otherwise."""
+    name = signal.Signals(sig).name
+    record = preempted_since(run_dir, started) if sig in STOP_SIGNALS else None
+    if record is None:
+        print(f"hardy: error: stopped by {name} before the run could checkpoint", file=sys.stderr)
+        return 1
+    print(f"hardy: {name}: stopped after step {record['step']} with checkpoint {record['checkpoint']}; "
+          "the same command resumes the run")
     return 0
 
 

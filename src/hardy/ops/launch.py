@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from hardy.errors import HardyError
 
+PREEMPTED = "preempted.json"  # RUN_DIR/...: written by a run that stopped on a signal with a checkpoint
+
 DEFAULT_PORT = 29500
 
 
@@ -113,6 +115,9 @@ class SlurmJob:
             lines.append(f"#SBATCH --partition={self.partition}")
         if self.time_limit:
             lines.append(f"#SBATCH --time={self.time_limit}")
+        # 120 s before the time limit (or a preemption) every process gets SIGUSR1: the run checkpoints
+        # after its next step and exits 0; requeued, the job resumes from that checkpoint
+        lines += ["#SBATCH --signal=USR1@120", "#SBATCH --requeue"]
         # Slurm opens the output file before the script runs: RUN_DIR must exist (`hardy launch --slurm`
         # creates it when it writes RUN_DIR/sbatch.sh)
         lines += [f"#SBATCH --output={self.run_dir}/slurm-%j.out", "", "set -euo pipefail",
@@ -133,4 +138,7 @@ class SlurmJob:
         lines.append("srun " + " ".join(shlex.quote(a) for a in launcher)
                      + f' --rdzv-endpoint "$head_addr:{self.port}" --rdzv-id "$SLURM_JOB_ID"'
                      + f" --max-restarts {self.max_restarts} " + " ".join(shlex.quote(a) for a in self.train_args))
+        preempted = shlex.quote(f"{self.run_dir}/{PREEMPTED}")
+        lines += ["# stopped on the warning signal with a checkpoint (not finished): run again from it",
+                  f'if [ -f {preempted} ]; then scontrol requeue "$SLURM_JOB_ID"; fi']
         return "\n".join(lines) + "\n"

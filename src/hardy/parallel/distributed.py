@@ -110,6 +110,29 @@ def main_rank_does(name: str, work, rank: int, timeout_s: float):
     return None
 
 
+def gather_strings(name: str, value: str, rank: int, world: int, timeout_s: float) -> list[str]:
+    """Every rank's `value`, in rank order, exchanged through the rendezvous store: a wait as long as
+    `timeout_s`, where a collective would end at the process group's timeout. One process: [value]."""
+    if _store is None or world == 1:
+        return [value]
+    _store.set(f"gather/{name}/{rank}", value)
+    keys = [f"gather/{name}/{r}" for r in range(world)]
+    _store.wait(keys, timedelta(seconds=timeout_s))
+    return [_store.get(k).decode() for k in keys]
+
+
+def share_from_main(name: str, value: str, rank: int, timeout_s: float = 600.0) -> str:
+    """Rank 0's `value` on every rank, through the rendezvous store (what rank 0 sees decides)."""
+    if _store is None:
+        return value
+    key = f"share/{name}"
+    if rank == 0:
+        _store.set(key, value)
+        return value
+    _store.wait([key], timedelta(seconds=timeout_s))
+    return _store.get(key).decode()
+
+
 def destroy() -> None:
     global _store
     if dist.is_initialized():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hardy.checkpoint.manager import CheckpointManager, rng_state, set_rng_state
+from hardy.checkpoint.manager import CheckpointManager, SaveFailed, rng_state, set_rng_state
 from hardy.data.loader import PackedLoader
 from hardy.data.prepare import load_index, load_split
 from hardy.devices import DTYPES, configure_cuda
@@ -24,6 +24,7 @@ from hardy.errors import HardyError
 from hardy.fault.goodput import account, format_goodput
 from hardy.fault.inject import FaultInjector
 from hardy.fault.policy import SpikeDetector, daly_interval
+from hardy.fault.preempt import StopRequest, clear_preemption, record_preemption
 from hardy.fault.straggler import StragglerMonitor
 from hardy.fault.watchdog import Watchdog
 from hardy.fsio import write_json_atomic
@@ -76,8 +77,9 @@ class RunSummary:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, watchdog: Watchdog):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, watchdog: Watchdog, stop: StopRequest | None = None):
         self.cfg, self.run_dir, self.watchdog = cfg, Path(run_dir), watchdog
+        self.stop = stop or StopRequest()  # SIGTERM/SIGUSR1: checkpoint after the step all ranks agree on
         cuda_notes = []
         if torch.cuda.is_available() and cfg.parallel.backend != "gloo":  # before the first cuBLAS call
             cuda_notes = configure_cuda(cfg.train.deterministic, cfg.precision.tf32)
@@ -180,7 +182,12 @@ class Trainer:
             self.hooks.checkpoint_written(self.step)
 
         asynchronous = self.cfg.checkpoint.async_save and not final
-        path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state, written, asynchronous)
+        try:
+            path = self.ckpt.save(self.step, self.model, self.optimizer, trainer_state, rank_state, written,
+                                  asynchronous)
+        except SaveFailed as e:
+            self.report_failed_save(e)
+            return None, time.perf_counter() - t0
         stall = time.perf_counter() - t0
         if asynchronous:
             return path, stall  # completed (and possibly damaged by injection) in poll()/wait()
@@ -191,12 +198,37 @@ class Trainer:
         """Run `complete` (the manager's poll or wait); returns the seconds it held up training and
         records them when it finished a save (merging checksums, renaming, COMPLETE)."""
         t0 = time.perf_counter()
-        path = complete()
+        try:
+            path = complete()
+        except SaveFailed as e:
+            self.report_failed_save(e)
+            path = None
         held = time.perf_counter() - t0
         if path is not None:
             self.after_save(path)
             logger.event("checkpoint_complete", step=int(path.name.split("_")[1]), path=str(path), stall_s=held)
         return held
+
+    def report_failed_save(self, e: SaveFailed) -> None:
+        """Out of space: the run ends (one line, exit 2), as no later save can succeed. Any other failed
+        write: said, and training goes on; the newest complete checkpoint stays the resume point."""
+        if e.disk_full:
+            raise e
+        if self.logger is not None:
+            self.logger.event("checkpoint_failed", step=self.step, error=str(e))
+            self.logger.print(f"warning: {e}")
+
+    def checkpoint_on_stop(self, logger) -> str | None:
+        """A stop signal reached some rank: every rank saves this step and the run ends (exit 0)."""
+        path, stall = self.save_checkpoint(final=True)
+        if path is None:
+            return None
+        reason = self.stop.signal or "SIGTERM/SIGUSR1 on another rank"
+        logger.event("preempted", step=self.step, path=str(path), stall_s=stall, signal=reason)
+        logger.print(f"stopped on {reason} after step {self.step}: checkpoint {path}; the same command resumes it")
+        if self.env.is_main:
+            record_preemption(self.run_dir, self.step, str(path), reason)
+        return str(path)
 
     def after_save(self, path: Path) -> None:
         self.hooks.checkpoint_saved(path, int(path.name.split("_")[1]), self.env.is_main)
@@ -228,7 +260,11 @@ class Trainer:
     def rollback(self, spike_loss: float) -> None:
         """PaLM practice: back to the last good checkpoint, and skip the batches since then."""
         cfg = self.cfg.fault
-        completed = self.ckpt.wait()  # the newest checkpoint may still be being written
+        completed = None
+        try:
+            completed = self.ckpt.wait()  # the newest checkpoint may still be being written
+        except SaveFailed as e:
+            self.report_failed_save(e)
         if completed is not None:
             self.after_save(completed)
         bad_step, position = self.step, self.loader.consumed
@@ -285,10 +321,12 @@ class Trainer:
         sq_norm = grad_sq_norm(params, device)
         nonfinite = (~torch.isfinite(loss_sum) | ~torch.isfinite(sq_norm)).double()
         t_sync = time.perf_counter()
-        summed = D.all_reduce_sum(torch.stack([loss_sum / accum, nonfinite]))  # any rank non-finite -> all skip
+        stop = torch.full((), float(self.stop.requested), dtype=torch.float64, device=device)  # a fill, not a copy
+        # any rank non-finite -> all skip; any rank asked to stop -> all stop after this step
+        summed = D.all_reduce_sum(torch.stack([loss_sum / accum, nonfinite, stop]))
         # The step's one read-back from the device: everything the decisions below need.
-        loss_total, bad_ranks, sq, scale = torch.stack(
-            [summed[0], summed[1], sq_norm, scale_tensor(self.scaler, device).double()]).tolist()
+        loss_total, bad_ranks, stops, sq, scale = torch.stack(
+            [summed[0], summed[1], summed[2], sq_norm, scale_tensor(self.scaler, device).double()]).tolist()
         if self.straggler is not None:
             self.straggler.sync_wait = time.perf_counter() - t_sync
         mean_loss, grad_norm = loss_total / self.env.world_size, math.sqrt(sq)
@@ -325,7 +363,8 @@ class Trainer:
         self.hooks.after_step(self.step)
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
-                "step_time_s": dt, "skipped": bool(skip), "loss_scale": scale, "ckpt_wait_s": ckpt_wait}
+                "step_time_s": dt, "skipped": bool(skip), "loss_scale": scale, "ckpt_wait_s": ckpt_wait,
+                "stop": stops > 0}
 
     def checkpoint_due(self, since_last: float, last_stall: float | None) -> bool:
         """Every N steps, every T seconds, or "auto": the Young/Daly optimum for this job's MTBF."""
@@ -406,7 +445,7 @@ class Trainer:
                 steps_run += 1
                 watchdog.beat(cfg.fault.hang_timeout_s)  # after the first step: the per-step timeout
                 completion = self.complete_async_save(self.ckpt.poll, logger)
-                if m.get("spike"):
+                if m.get("spike"):  # a stop request stays set: the next step carries it again
                     m.update(ckpt_stall_s=completion, mfu=None, peak_mem_bytes=self.memory.peak_bytes())
                     logger.step(m)
                     self.rollback(m["loss"])
@@ -415,23 +454,31 @@ class Trainer:
                 if not m["skipped"]:
                     last_loss = m["loss"]
                 stall = 0.0
-                if self.checkpoint_due(time.perf_counter() - last_save, last_stall):
+                if not m["stop"] and self.checkpoint_due(time.perf_counter() - last_save, last_stall):
                     # one save in flight: the previous one is finished here, with its event, not inside the next
                     completion += self.complete_async_save(self.ckpt.wait, logger)
                     path, stall = self.save_checkpoint()
-                    last_save, last_stall, last_ckpt = time.perf_counter(), stall, str(path)
-                    logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
+                    last_save, last_stall = time.perf_counter(), stall
+                    if path is not None:
+                        last_ckpt = str(path)
+                        logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
                     watchdog.beat()
                 m["ckpt_stall_s"] = stall + completion + m["ckpt_wait_s"]
                 m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / peak) if peak else None
                 m["peak_mem_bytes"] = self.memory.peak_bytes()
                 logger.step(m)
+                if m["stop"]:
+                    break
             watchdog.stop()
             self.complete_async_save(self.ckpt.wait, logger)
-            if cfg.checkpoint.at_end and steps_run:
+            stopped = steps_run and self.step < cfg.train.steps  # the loop ended on a stop request
+            if stopped:
+                last_ckpt = self.checkpoint_on_stop(logger) or last_ckpt
+            elif cfg.checkpoint.at_end and steps_run:
                 path, stall = self.save_checkpoint(final=True)
-                last_ckpt = str(path)
-                logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
+                if path is not None:
+                    last_ckpt = str(path)
+                    logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
             wall = time.perf_counter() - t_start
             summary = RunSummary(steps=self.step, final_loss=last_loss, tokens=steps_run * self.tokens_per_step,
                                  wall_s=wall, tokens_per_s=steps_run * self.tokens_per_step / wall if wall else 0.0,
@@ -443,6 +490,8 @@ class Trainer:
                 logger.print(line)
             if main:
                 write_json_atomic(self.run_dir / "summary.json", {**summary.__dict__, "goodput": goodput})
+                if not stopped:
+                    clear_preemption(self.run_dir)
             return summary
         finally:
             watchdog.stop()
@@ -460,8 +509,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> RunSummary:
     # Armed from the very start: a rendezvous or collective that never completes during start-up
     # is a hang like any other, and the launcher can only restart a process that exits.
     watchdog = Watchdog(run_dir, int(os.environ.get("RANK", "0")), cfg.fault.startup_timeout_s).start()
+    stop = StopRequest().install()  # from the start: a signal during set-up stops after the first step
     try:
-        return Trainer(cfg, run_dir, watchdog).run()
+        return Trainer(cfg, run_dir, watchdog, stop).run()
     finally:
+        stop.restore()
         watchdog.stop()
         D.destroy()

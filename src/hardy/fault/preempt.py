@@ -1,0 +1,67 @@
+"""Preemption: SIGTERM or SIGUSR1 asks a run to checkpoint at the next step boundary and exit 0.
+
+Schedulers warn before they take nodes back (Slurm's `--signal=USR1@120`, Kubernetes' SIGTERM and
+grace period, spot instances' notices). The handler only records the request; the training loop
+carries it in the step's one all-reduce, so every rank stops after the same step, saves one
+checkpoint, and exits 0. RUN_DIR/preempted.json says where it stopped (a launcher or batch script
+reads it to decide whether to requeue); a run that reaches its last step removes it.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+from hardy.fsio import write_json_atomic
+from hardy.ops.launch import PREEMPTED
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """The first stop signal this process received since `install()` (None: none)."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # Python handles signals there only
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.signal = self.signal or signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+
+def record_preemption(run_dir: Path, step: int, checkpoint: str | None, reason: str) -> None:
+    write_json_atomic(Path(run_dir) / PREEMPTED, {"step": step, "checkpoint": checkpoint, "signal": reason,
+                                                  "time": time.time()})
+
+
+def preempted_since(run_dir: Path, since: float) -> dict | None:
+    """The stop record a run wrote after `since` (a time.time()), if it stopped on a signal with a
+    checkpoint; None otherwise."""
+    try:
+        record = json.loads((Path(run_dir) / PREEMPTED).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not record.get("checkpoint") or record.get("time", 0) < since:
+        return None
+    return record
+
+
+def clear_preemption(run_dir: Path) -> None:
+    (Path(run_dir) / PREEMPTED).unlink(missing_ok=True)
