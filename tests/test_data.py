@@ -128,8 +128,53 @@ def test_loader_resume_yields_exactly_the_same_batches():
     resumed = batches(b, 120)
     assert all(x[0].equal(y[0]) and x[1].equal(y[1]) for x, y in zip(rest, resumed))
     assert not first[0][0].equal(rest[0][0])
-    with pytest.raises(HardyError, match="layout changed"):
-        PackedLoader(tokens, seq_len=32, micro_batch=4, grad_accum=1, dp_size=2, seed=7).load_state_dict(state)
+    with pytest.raises(HardyError, match="sample stream changed .*seed: 7 -> 8"):
+        PackedLoader(tokens, seq_len=32, micro_batch=4, grad_accum=2, dp_size=2, seed=8).load_state_dict(state)
+    with pytest.raises(HardyError, match="seq_len: 32 -> 16"):
+        PackedLoader(tokens, seq_len=16, micro_batch=4, grad_accum=2, dp_size=2, seed=7).load_state_dict(state)
+
+
+@pytest.mark.parametrize("before,after", [((4, 1, 2), (2, 2, 2)), ((2, 1, 4), (4, 1, 4)), ((4, 1, 2), (2, 1, 2)),
+                                          ((2, 2, 3), (3, 1, 1))])
+def test_loader_resumed_on_another_layout_repeats_and_skips_nothing(before, after):
+    """(processes, grad_accum, micro_batch) before and after a resume, the global batch kept or not: the
+    samples all ranks take form one gapless, duplicate-free run of the stream, across epochs."""
+    tokens = np.arange(4_000, dtype=np.uint16)  # 124 samples of 32 + 1: several epochs below
+
+    def ranks(dp, accum, mb):
+        return [PackedLoader(tokens, seq_len=32, micro_batch=mb, grad_accum=accum, dp_rank=r, dp_size=dp, seed=3)
+                for r in range(dp)]
+
+    def take(loaders, steps):
+        seen = []
+        for _ in range(steps):
+            for loader in loaders:
+                seen += [q for m in range(loader.grad_accum) for q in loader.sample_ids(m)]
+                for _ in range(loader.grad_accum):
+                    loader.next_rows()
+        return seen
+
+    first = ranks(*before)
+    seen = take(first, 7)
+    state = json.loads(json.dumps(first[0].state_dict()))  # every rank's position is the same
+    assert all(loader.state_dict() == state for loader in first)
+    second = ranks(*after)
+    for loader in second:
+        loader.load_state_dict(state)
+    seen += take(second, 20)
+    assert sorted(seen) == list(range(len(seen))) and len(seen) > 124
+    # a sample id is a slot of an epoch's permutation: the rows are that slot's tokens
+    probe = second[0]
+    epoch, slot = divmod(probe.sample_ids()[0], probe.n_samples)
+    assert probe.next_rows()[0, 0] == probe._permutation(epoch)[slot] * 32
+
+
+def test_loader_positions_saved_per_rank_before_they_were_global_still_resume():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    old = {"consumed": 6, "seq_len": 32, "micro_batch": 4, "grad_accum": 2, "dp_size": 2, "n_samples": 312, "seed": 7}
+    loader = PackedLoader(tokens, seq_len=32, micro_batch=4, grad_accum=2, dp_size=2, seed=7)
+    loader.load_state_dict(old)
+    assert loader.position() == 6 * 2 * 4 and loader.sample_ids() == [48, 49, 50, 51]
 
 
 def test_loader_targets_are_shifted_inputs_and_ranks_are_disjoint():

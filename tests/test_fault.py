@@ -181,3 +181,23 @@ def test_checksum_shares_balance_bytes():
     loads = [sum(files[n]["bytes"] for n in share(files, r, 3)) for r in range(3)]
     assert sum(loads) == 2560 and max(loads) - min(loads) <= 100, loads
     assert share(files, 0, 1) == sorted(files, key=lambda n: -files[n]["bytes"])
+
+
+def test_resume_on_another_number_of_processes_repeats_and_skips_no_sample(tmp_path, micro_dataset):
+    """FSDP over 4 processes, resumed on 2 (the global batch kept by grad_accum 2), then on 4 again: DCP
+    reshards the model and optimizer, the data goes on from the saved global sample index, and the
+    sample ids every rank logged cover the stream once, without a gap."""
+    run = tmp_path / "run"
+    common = ("parallel.dp_shard=-1", "parallel.dp_replicate=1", "log.sample_ids=true", "checkpoint.at_end=true",
+              "checkpoint.interval=100")
+    launch(run, micro_dataset, 4, *common, "train.steps=4")
+    two = launch(run, micro_dataset, 2, *common, "train.steps=8", "train.grad_accum=2")
+    assert "resumed from step_00000004 (saved by 4 processes, resharded to 2; the data goes on from sample 64)" \
+        in two.stdout
+    four = launch(run, micro_dataset, 4, *common, "train.steps=12")
+    assert "resumed from step_00000008 (saved by 2 processes, resharded to 4" in four.stdout
+    records = [json.loads(line) for path in sorted(run.glob("sample_ids_rank*.jsonl"))
+               for line in path.read_text().splitlines()]
+    assert sorted({r["step"] for r in records}) == list(range(1, 13))
+    ids = sorted(q for r in records for q in r["samples"])
+    assert ids == list(range(12 * 16))  # 16 samples a step (4 x 4, then 2 x 2 x 4): each once

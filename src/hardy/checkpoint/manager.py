@@ -443,8 +443,10 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         trainer_state = json.loads((directory / TRAINER).read_text())
         rank_file = directory / f"rank_{self.rank:05d}.json"
+        if not rank_file.is_file():  # resumed on more processes than saved it: data positions are global,
+            rank_file = directory / "rank_00000.json"  # so rank 0's serves (and its RNG seeds the new rank)
         if not rank_file.is_file():
-            raise HardyError(f"{directory}: no state for rank {self.rank} (was the run saved with another world size?)")
+            raise HardyError(f"{directory}: no per-rank state (rank_00000.json is missing)")
         return trainer_state, json.loads(rank_file.read_text())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hardy.cli import plan_train
+from hardy.cli import plan_goodput, plan_train
 from hardy.cli.common import Parser
 from hardy.errors import HardyError
 from hardy.loading.load import config_for, is_quantized_source, resolve_source
@@ -22,6 +22,7 @@ def register(sub) -> None:
     register_serve(group)
 
     plan_train.register(group)
+    plan_goodput.register(group)
 
 
 def _add_hardware_args(p) -> None:

@@ -213,6 +213,7 @@ class LogSection:
     jsonl: bool = True
     tensorboard: bool = False
     progress: bool = True
+    sample_ids: bool = False  # each rank's sample indices per step in RUN_DIR/sample_ids_rank<R>.jsonl (audits)
 
     def __post_init__(self):
         _check(self.every >= 1, f"log.every must be >= 1 (got {self.every})")

@@ -148,6 +148,9 @@ class Trainer:
                                    dp_rank=self.dims.dp_rank(self.env.rank), dp_size=self.dims.dp, seed=cfg.train.seed,
                                    pin_memory=device.type == "cuda")
         self.timer = StepTimer(device)
+        self.resharded = ""
+        self.sample_log = (open(self.run_dir / f"sample_ids_rank{self.env.rank}.jsonl", "a")
+                           if cfg.log.sample_ids else None)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
         self.step = 0
         self.skipped = 0
@@ -175,7 +178,7 @@ class Trainer:
         t0 = time.perf_counter()
         trainer_state = {"step": self.step, "skipped": self.skipped, "rollbacks": self.rollbacks,
                          "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                         "spikes": self.spikes.state_dict(), "config": self.resolved}
+                         "spikes": self.spikes.state_dict(), "config": self.resolved, "world_size": self.env.world_size}
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict()}
 
         def written():  # DCP files are on disk, COMPLETE is not
@@ -243,6 +246,9 @@ class Trainer:
             self.spikes.load_state_dict(trainer_state["spikes"])
         self.loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"])
+        saved_on = int(trainer_state.get("world_size", self.env.world_size))
+        self.resharded = (f" (saved by {saved_on} processes, resharded to {self.env.world_size}; the data goes on "
+                          f"from sample {self.loader.position()})" if saved_on != self.env.world_size else "")
 
     def maybe_resume(self) -> Path | None:
         mode = self.cfg.checkpoint.resume
@@ -267,7 +273,7 @@ class Trainer:
             self.report_failed_save(e)
         if completed is not None:
             self.after_save(completed)
-        bad_step, position = self.step, self.loader.consumed
+        bad_step, position = self.step, self.loader.position()
         self.rollbacks += 1
         if self.rollbacks > cfg.max_rollbacks:
             raise HardyError(f"loss spike at step {bad_step} (loss {spike_loss:.4f}) after {cfg.max_rollbacks} "
@@ -280,8 +286,9 @@ class Trainer:
             self.skipped += 1
             self.advance_schedule()
         self.rollbacks = rollbacks
-        skipped_batches = position - self.loader.consumed
-        self.loader.consumed = position  # the offending batches are not seen again
+        per_batch = self.loader.dp_size * self.loader.micro_batch
+        skipped_batches = (position - self.loader.position()) // per_batch
+        self.loader.seek(position)  # the offending batches are not seen again
         self.optimizer.zero_grad(set_to_none=True)
         event = {"from_step": bad_step, "to_step": self.step, "loss": spike_loss, "skipped_batches": skipped_batches,
                  "checkpoint": str(path) if path else None, "rollbacks": self.rollbacks}
@@ -305,6 +312,10 @@ class Trainer:
         step = self.step + 1
         self.hooks.before_step(step)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        if self.sample_log is not None:
+            ids = [q for m in range(accum) for q in self.loader.sample_ids(m)]
+            self.sample_log.write(json.dumps({"step": step, "rank": self.env.rank, "samples": ids}) + "\n")
+            self.sample_log.flush()
         for micro in range(accum):
             rows = self.loader.next_rows().to(device, non_blocking=True)  # pinned on CUDA: an async copy
             inputs, targets = rows[:, :-1], rows[:, 1:]
@@ -428,7 +439,7 @@ class Trainer:
         layout = self.dims.describe() + (f" through {self.wrapper.upper()}" if cfg.parallel.wrap != "auto" else "")
         logger.print(f"hardy train: {self.model_cfg.name} ({counts.total:,} parameters), {layout}, "
                      f"{cfg.precision.dtype} on {on}, {self.tokens_per_step:,} tokens/step, run dir {self.run_dir}"
-                     + (f", resumed from {resumed.name}" if resumed else ""))
+                     + (f", resumed from {resumed.name}{self.resharded}" if resumed else ""))
         if peak:
             logger.print(f"MFU against {peak / 1e12:,.1f} TFLOP/s in all ({self.peak_source})")
         logger.event("start", step=self.step, config=self.resolved, peak_flops=peak, peak_source=self.peak_source,
@@ -501,6 +512,8 @@ class Trainer:
                 self._telemetry_file.close()
             self.ckpt.close()
             logger.close()
+            if self.sample_log is not None:
+                self.sample_log.close()
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> RunSummary:
