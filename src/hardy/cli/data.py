@@ -33,7 +33,7 @@ def run_prepare(args) -> int:
 
     clean = CleanConfig(min_words=args.min_words, max_chars=args.max_chars, max_symbol_ratio=args.max_symbol_ratio)
     report = prepare(args.input, args.tokenizer, args.out, clean=clean, near_threshold=args.near_dup_threshold,
-                     val_fraction=args.val_fraction, seed=args.seed)
+                     val_fraction=args.val_fraction, seed=args.seed, progress=True)
     for line in report.lines():
         print(line)
     print(f"wrote {args.out}")

@@ -1,75 +1,95 @@
-"""Exact and near-duplicate removal.
+"""Exact and near-duplicate removal, one document at a time (a corpus streams through; none of it is held).
 
-Exact: documents equal after lower-casing and whitespace collapsing. Near: MinHash signatures
-over word 5-gram shingles, banded LSH to find candidate pairs, then the exact Jaccard similarity
-of the candidates' shingle sets decides (default: drop when >= 0.8). The first occurrence is kept.
+Exact: documents equal after lower-casing and whitespace collapsing (a 16-byte digest per kept document).
+Near: datasketch MinHash signatures over word 5-gram shingles in a datasketch MinHashLSH index, whose
+candidates are then compared by their signatures' estimated Jaccard similarity (default: drop when
+>= 0.8). The signatures live in a file-backed array, not in memory. The first occurrence is kept.
 """
 from __future__ import annotations
 
 import hashlib
-import zlib
-from collections import defaultdict
+import tempfile
+from pathlib import Path
 
 import numpy as np
-
-_PRIME = np.uint64(4294967311)  # smallest prime above 2**32
+from datasketch import MinHash, MinHashLSH
 
 
 def _norm(doc: str) -> str:
     return " ".join(doc.lower().split())
 
 
-def exact_duplicates(docs: list[str]) -> set[int]:
-    seen, dups = set(), set()
-    for i, d in enumerate(docs):
-        key = hashlib.blake2b(_norm(d).encode("utf-8"), digest_size=16).digest()
-        if key in seen:
-            dups.add(i)
-        seen.add(key)
-    return dups
+class ExactIndex:
+    def __init__(self):
+        self._seen: set[bytes] = set()
+
+    def is_duplicate_or_add(self, doc: str) -> bool:
+        key = hashlib.blake2b(_norm(doc).encode("utf-8"), digest_size=16).digest()
+        if key in self._seen:
+            return True
+        self._seen.add(key)
+        return False
 
 
-def shingles(doc: str, n: int = 5) -> set[int]:
+def shingles(doc: str, n: int = 5) -> list[bytes]:
     words = _norm(doc).split()
     n = min(n, len(words)) or 1
-    return {zlib.crc32(" ".join(words[i:i + n]).encode("utf-8")) for i in range(max(len(words) - n + 1, 1))}
+    return list({" ".join(words[i:i + n]).encode("utf-8") for i in range(max(len(words) - n + 1, 1))})
 
 
-def jaccard(a: set, b: set) -> float:
-    return len(a & b) / len(a | b) if a or b else 1.0
+class NearDuplicateIndex:
+    """Documents added so far, by MinHash-LSH; `is_duplicate_or_add(doc)` answers whether an earlier kept
+    document is `threshold`-similar, and keeps `doc` otherwise."""
+
+    def __init__(self, threshold: float = 0.8, ngram: int = 5, num_perm: int = 128, seed: int = 0,
+                 scratch: str | Path | None = None):
+        self.threshold, self.ngram, self.num_perm, self.seed = threshold, ngram, num_perm, seed
+        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        self._scratch = tempfile.TemporaryDirectory(dir=scratch, prefix=".dedup-")
+        self._capacity, self._count = 0, 0
+        self._signatures = None
+        self._grow()
+
+    def _grow(self) -> None:
+        """The kept documents' signatures: a file-backed array that doubles when full."""
+        capacity = max(1024, 2 * self._capacity)
+        path = Path(self._scratch.name) / f"signatures_{capacity}.u64"
+        grown = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint64, shape=(capacity, self.num_perm))
+        if self._signatures is not None:
+            grown[:self._count] = self._signatures[:self._count]
+            old = Path(self._signatures.filename)
+            del self._signatures
+            old.unlink()
+        self._signatures, self._capacity = grown, capacity
+
+    def is_duplicate_or_add(self, doc: str) -> bool:
+        m = MinHash(num_perm=self.num_perm, seed=self.seed)
+        m.update_batch(shingles(doc, self.ngram))
+        for j in self.lsh.query(m):
+            if np.count_nonzero(self._signatures[j] == m.hashvalues) >= self.threshold * self.num_perm:
+                return True
+        if self._count == self._capacity:
+            self._grow()
+        self._signatures[self._count] = m.hashvalues
+        self.lsh.insert(self._count, m, check_duplication=False)
+        self._count += 1
+        return False
+
+    def close(self) -> None:
+        self._signatures = None
+        self._scratch.cleanup()
 
 
-class MinHasher:
-    def __init__(self, num_perm: int = 128, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        # a, b < 2**31 and x < 2**32 keep a*x + b below 2**64: no uint64 overflow.
-        self.a = rng.integers(1, 2**31, size=num_perm, dtype=np.uint64)
-        self.b = rng.integers(0, 2**31, size=num_perm, dtype=np.uint64)
-
-    def signature(self, shingle_set: set[int]) -> np.ndarray:
-        x = np.fromiter(shingle_set, dtype=np.uint64, count=len(shingle_set))
-        return ((np.outer(x, self.a) + self.b) % _PRIME).min(axis=0)
+def exact_duplicates(docs: list[str]) -> set[int]:
+    index = ExactIndex()
+    return {i for i, d in enumerate(docs) if index.is_duplicate_or_add(d)}
 
 
 def near_duplicates(docs: list[str], threshold: float = 0.8, ngram: int = 5, num_perm: int = 128,
-                    bands: int = 32, skip: set[int] = frozenset(), seed: int = 0) -> set[int]:
-    """Indices of documents whose shingle-set Jaccard with an earlier kept document is >= threshold."""
-    rows = num_perm // bands
-    hasher = MinHasher(num_perm, seed)
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    sets: dict[int, set[int]] = {}
-    dups: set[int] = set()
-    for i, doc in enumerate(docs):
-        if i in skip:
-            continue
-        s = shingles(doc, ngram)
-        sig = hasher.signature(s)
-        keys = [(band, sig[band * rows:(band + 1) * rows].tobytes()) for band in range(bands)]
-        candidates = {j for key in keys for j in buckets.get(key, ())}
-        if any(jaccard(s, sets[j]) >= threshold for j in sorted(candidates)):
-            dups.add(i)
-            continue
-        sets[i] = s
-        for key in keys:
-            buckets[key].append(i)
-    return dups
+                    skip: set[int] = frozenset(), seed: int = 0) -> set[int]:
+    """Indices of documents whose estimated Jaccard with an earlier kept document is >= threshold."""
+    index = NearDuplicateIndex(threshold, ngram, num_perm, seed)
+    try:
+        return {i for i, d in enumerate(docs) if i not in skip and index.is_duplicate_or_add(d)}
+    finally:
+        index.close()
