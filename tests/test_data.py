@@ -232,3 +232,14 @@ def test_prepare_holds_no_more_memory_for_eight_times_the_text(tmp_path):
         assert kept == documents == 4000 and chars >= n_words * 4000 * 4
         peaks.append(growth_kb)
     assert peaks[1] < peaks[0] + 12 * 1024, peaks  # the extra 35 MB of text, held, would show in full
+
+
+def test_the_ascii_fast_paths_count_what_the_character_loops_count():
+    from hardy.data.clean import _bad_char, bad_chars, symbol_chars
+
+    rng = random.Random(3)
+    alphabet = [chr(i) for i in range(128)]
+    for _ in range(300):
+        doc = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
+        assert bad_chars(doc) == sum(_bad_char(c) for c in doc)
+        assert symbol_chars(doc) == sum(1 for c in doc if not (c.isalnum() or c.isspace()))

@@ -58,18 +58,35 @@ def _dup_ngram_ratio(words: list[str], n: int = 3) -> float:
     return repeated / (len(words) - n + 1)
 
 
+_ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_ASCII_SYMBOL = re.compile(r"[^A-Za-z0-9\s]")
+
+
+def bad_chars(doc: str) -> int:
+    """Control characters (not newline or tab), surrogates, private-use, unassigned, U+FFFD."""
+    if doc.isascii():  # the common case, in C: only control characters can be bad
+        return len(_ASCII_CONTROL.findall(doc))
+    return sum(_bad_char(c) for c in doc)
+
+
+def symbol_chars(doc: str) -> int:
+    """Characters that are neither letters, digits nor spaces (str.isalnum / str.isspace)."""
+    if doc.isascii():
+        return len(_ASCII_SYMBOL.findall(doc))
+    return sum(1 for c in doc if not (c.isalnum() or c.isspace()))
+
+
 def rejection_reason(doc: str, cfg: CleanConfig) -> str | None:
     """The first filter a document fails, or None if it is kept."""
     n = len(doc)
-    if sum(_bad_char(c) for c in doc) > cfg.max_bad_char_ratio * n:
+    if bad_chars(doc) > cfg.max_bad_char_ratio * n:
         return "binary/control characters"
     words = doc.split()
     if len(words) < cfg.min_words:
         return "too short"
     if n > cfg.max_chars:
         return "too long"
-    symbols = sum(1 for c in doc if not (c.isalnum() or c.isspace()))
-    if symbols > cfg.max_symbol_ratio * n:
+    if symbol_chars(doc) > cfg.max_symbol_ratio * n:
         return "symbol-heavy"
     lines = [line for line in doc.split("\n") if line]
     if len(lines) >= 4:

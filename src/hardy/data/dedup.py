@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ class NearDuplicateIndex:
         self._signatures, self._capacity = grown, capacity
 
     def is_duplicate_or_add(self, doc: str) -> bool:
-        m = MinHash(num_perm=self.num_perm, seed=self.seed)
+        m = MinHash(num_perm=self.num_perm, seed=self.seed, hashfunc=zlib.crc32)  # 32-bit, ~7x sha1's speed
         m.update_batch(shingles(doc, self.ngram))
         for j in self.lsh.query(m):
             if np.count_nonzero(self._signatures[j] == m.hashvalues) >= self.threshold * self.num_perm:
