@@ -99,8 +99,8 @@ def _state_bytes(state) -> int:
     return 0
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2 ** 30:.2f} GiB"
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 HASH_BLOCK = 8 << 20
@@ -289,10 +289,10 @@ class CheckpointManager:
             try:
                 dcp.save(state, checkpoint_id=str(partial))
                 side_files()
+                if written is not None:
+                    written()
             except (OSError, CheckpointException) as e:
                 error = e
-        if written is not None and error is None:
-            written()
         if error is None:
             error = _attempt(lambda: hash_own_files(partial, self.rank))
         self._finalize(step, partial, final, error)
@@ -377,7 +377,7 @@ class CheckpointManager:
         if full:
             free = shutil.disk_usage(self.root).free
             raise SaveFailed(f"checkpoint of step {step}: no space left in {self.root} (it needs about "
-                             f"{_gib(self._needed)}, {_gib(free)} free); {keeps}", disk_full=True)
+                             f"{_size(self._needed)}, {_size(free)} free); {keeps}", disk_full=True)
         what = _one_line(error) if error is not None else "another rank's write failed"
         raise SaveFailed(f"checkpoint of step {step} was not written ({what}); {keeps}", disk_full=False)
 

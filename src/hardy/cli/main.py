@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except HardyError as e:
         if args.debug:
             raise
-        print(f"hardy: error: {e}", file=sys.stderr)
+        sys.stderr.write(f"hardy: error: {e}\n")  # one write: ranks sharing a terminal do not interleave
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("hardy: interrupted", file=sys.stderr)

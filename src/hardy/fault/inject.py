@@ -1,7 +1,8 @@
 """Built-in fault injection: faults that behave like real ones, fired reproducibly and only once.
 
 Spec: comma-separated `KIND@STEP[@rankR]`, KIND one of kill, kill_in_ckpt, nan, spike, hang,
-corrupt_ckpt; and `slow@rankR:Fx[@A-B]`, a rank whose every step (or steps A to B) takes F times
+corrupt_ckpt, io_error and disk_full (the rank's first checkpoint write from STEP on fails with EIO or
+ENOSPC); and `slow@rankR:Fx[@A-B]`, a rank whose every step (or steps A to B) takes F times
 its compute, burnt as real work (a throttled or sick device), for straggler detection. Random
 failures: `random_kill_rate` = probability that a step ends in a SIGKILL, drawn from `random_seed` and the step number (the same run fails at the same steps every time).
 
@@ -10,6 +11,7 @@ restarted run replaying the same step does not fail again — as with a real, tr
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,7 +25,8 @@ import torch
 
 from hardy.errors import HardyError
 
-KINDS = ("kill", "kill_in_ckpt", "nan", "spike", "hang", "corrupt_ckpt")  # and slow (its own grammar)
+KINDS = ("kill", "kill_in_ckpt", "nan", "spike", "hang", "corrupt_ckpt", "io_error", "disk_full")  # and slow
+CHECKPOINT_KINDS = ("kill_in_ckpt", "corrupt_ckpt", "io_error", "disk_full")  # at the first save from STEP on
 LEDGER = "faults_fired.json"
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class FaultInjector:
     def due(self, kind: str, step: int) -> bool:
         for fault in self.faults:
             if fault.kind == kind and fault.rank == self.rank and (
-                    fault.step == step or (kind in ("kill_in_ckpt", "corrupt_ckpt") and step >= fault.step)):
+                    fault.step == step or (kind in CHECKPOINT_KINDS and step >= fault.step)):
                 if self._claim(fault.key):
                     return True
         return False
@@ -147,9 +150,13 @@ class FaultInjector:
             self.kill()
 
     def checkpoint_written(self, step: int) -> None:
-        """The checkpoint's files are on disk, its completion marker is not: the worst moment to die."""
+        """The checkpoint's files are on disk, its completion marker is not: the worst moment to die, or
+        for this rank's write to fail (a failing or full disk, as the checkpoint layer would see it)."""
         if self.due("kill_in_ckpt", step):
             self.kill()
+        for kind, code in (("io_error", errno.EIO), ("disk_full", errno.ENOSPC)):
+            if self.due(kind, step):
+                raise OSError(code, f"{os.strerror(code)} (injected: fault.inject {kind})")
 
     def checkpoint_saved(self, path: Path, step: int, is_main: bool) -> None:
         if is_main and self.due("corrupt_ckpt", step):

@@ -216,6 +216,8 @@ class Trainer:
         """Out of space: the run ends (one line, exit 2), as no later save can succeed. Any other failed
         write: said, and training goes on; the newest complete checkpoint stays the resume point."""
         if e.disk_full:
+            if not self.env.is_main:  # every rank stops; rank 0 says why, once
+                raise SystemExit(2)
             raise e
         if self.logger is not None:
             self.logger.event("checkpoint_failed", step=self.step, error=str(e))
