@@ -143,3 +143,31 @@ def test_a_failed_asynchronous_save_is_reported_and_training_goes_on(tmp_path, m
     assert "the resume point stays step_00000002" in failed[0]["error"]
     root = tmp_path / "run" / "checkpoints"
     assert [step for step, _ in step_dirs(root)] == [6, 2] and not list(root.glob(".step_00000004*"))
+
+
+def test_an_asynchronous_save_reports_its_written_hook_after_the_files_and_its_failure(tmp_path, state):
+    """written() runs in the background writer once the files are on disk (the step it names is the
+    save's, not the trainer's by then); an OSError from it fails the save on wait(), leaving no partial."""
+    import errno
+
+    from hardy.checkpoint.manager import SaveFailed, step_dirs
+
+    model, opt = state
+    mgr = CheckpointManager(tmp_path, keep=3, rank=0, device=torch.device("cpu"))
+    seen = []
+    mgr.save(1, model, opt, {"step": 1}, {"rank": 0},
+             written=lambda: seen.append(sorted(p.name for p in (tmp_path / "checkpoints" / ".step_00000001.partial")
+                                               .iterdir())), asynchronous=True)
+    mgr.wait()
+    assert any(n.endswith(".distcp") for n in seen[0]) and "rank_00000.json" in seen[0]
+
+    def fail():
+        raise OSError(errno.EIO, "injected")
+
+    mgr.save(2, model, opt, {"step": 2}, {"rank": 0}, written=fail, asynchronous=True)
+    with pytest.raises(SaveFailed, match=r"step 2 was not written \(OSError: \[Errno 5\] injected\); the resume "
+                                         r"point stays step_00000001"):
+        mgr.wait()
+    mgr.close()
+    assert [s for s, _ in step_dirs(tmp_path / "checkpoints")] == [1]
+    assert not list((tmp_path / "checkpoints").glob(".step_00000002*"))

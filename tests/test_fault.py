@@ -203,13 +203,17 @@ def test_resume_on_another_number_of_processes_repeats_and_skips_no_sample(tmp_p
     assert ids == list(range(12 * 16))  # 16 samples a step (4 x 4, then 2 x 2 x 4): each once
 
 
+# COMMON's 30 s watchdogs without restarts: a loaded machine's slow start-up would fail the run itself
+SAVES = ("train.steps=12", "checkpoint.interval=4", "checkpoint.at_end=true", "checkpoint.keep=5")
+
+
 def test_a_write_failing_on_one_rank_is_agreed_on_and_the_run_goes_on(tmp_path, micro_dataset):
     """Rank 1's files of the step-8 checkpoint fail to write (EIO) while rank 0's succeed: both ranks drop
     that checkpoint, rank 0 reports it, training goes on, and the next save completes."""
     from hardy.checkpoint.manager import step_dirs
 
     run = tmp_path / "run"
-    launch(run, micro_dataset, 2, *COMMON, "checkpoint.async_save=false", 'fault.inject="io_error@8@rank1"')
+    launch(run, micro_dataset, 2, *SAVES, "checkpoint.async_save=false", 'fault.inject="io_error@8@rank1"')
     failed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
               if '"checkpoint_failed"' in line]
     assert len(failed) == 1 and failed[0]["step"] == 8
@@ -222,7 +226,7 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path, micro_
 
     run = tmp_path / "run"
     with pytest.raises(AssertionError) as failed:
-        launch(run, micro_dataset, 2, *COMMON, "checkpoint.async_save=false", 'fault.inject="disk_full@8@rank1"')
+        launch(run, micro_dataset, 2, *SAVES, "checkpoint.async_save=false", 'fault.inject="disk_full@8@rank1"')
     lines = [line for line in str(failed.value).splitlines() if "no space left in" in line]
     assert len(lines) == 1 and lines[0].startswith("hardy: error: checkpoint of step 8: no space left in")
     assert "Traceback" not in str(failed.value)

@@ -247,7 +247,8 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, written=None,
              asynchronous: bool = False) -> Path:
         """Collective: every rank calls it. `written()` runs once this rank's files are on disk
-        (asynchronous: once they are handed to the background writer).
+        (asynchronous: in the background writer), before the checkpoint is COMPLETE; an OSError it
+        raises fails the save like a failed write.
 
         Synchronous saves are complete on return. Asynchronous ones stage the state in memory, write
         it in a background thread, and become COMPLETE in `poll()`/`wait()` once every rank's
@@ -280,10 +281,8 @@ class CheckpointManager:
                 upload = getattr(response, "upload_completion", response)
                 self._staging = getattr(response, "staging_completion", None)
                 future = self._background().submit(
-                    lambda: (upload.result(), side_files(), hash_own_files(partial, self.rank)))
+                    lambda: (upload.result(), side_files(), written and written(), hash_own_files(partial, self.rank)))
                 self._pending = (step, partial, final, future)
-                if written is not None:
-                    written()
                 return final
             error = None
             try:

@@ -124,7 +124,10 @@ def stopped_by_signal(sig, run_dir: Path, started: float) -> int:
     """The launcher got SIGTERM/SIGUSR1 (or another signal torchrun handles): 0 if the workers stopped on
     a checkpoint of their own, as a preemption should; 1 otherwise."""
     name = signal.Signals(sig).name
-    record = preempted_since(run_dir, started) if sig in STOP_SIGNALS else None
+    if sig not in STOP_SIGNALS:
+        print(f"hardy: stopped by {name}", file=sys.stderr)
+        return 1
+    record = preempted_since(run_dir, started)
     if record is None:
         print(f"hardy: error: stopped by {name} before the run could checkpoint", file=sys.stderr)
         return 1

@@ -181,8 +181,10 @@ class Trainer:
                          "spikes": self.spikes.state_dict(), "config": self.resolved, "world_size": self.env.world_size}
         rank_state = {"rng": rng_state(), "loader": self.loader.state_dict()}
 
-        def written():  # DCP files are on disk, COMPLETE is not
-            self.hooks.checkpoint_written(self.step)
+        step = self.step
+
+        def written():  # DCP files are on disk, COMPLETE is not (asynchronous: later steps may be running)
+            self.hooks.checkpoint_written(step)
 
         asynchronous = self.cfg.checkpoint.async_save and not final
         try:
