@@ -79,18 +79,3 @@ class NearDuplicateIndex:
     def close(self) -> None:
         self._signatures = None
         self._scratch.cleanup()
-
-
-def exact_duplicates(docs: list[str]) -> set[int]:
-    index = ExactIndex()
-    return {i for i, d in enumerate(docs) if index.is_duplicate_or_add(d)}
-
-
-def near_duplicates(docs: list[str], threshold: float = 0.8, ngram: int = 5, num_perm: int = 128,
-                    skip: set[int] = frozenset(), seed: int = 0) -> set[int]:
-    """Indices of documents whose estimated Jaccard with an earlier kept document is >= threshold."""
-    index = NearDuplicateIndex(threshold, ngram, num_perm, seed)
-    try:
-        return {i for i, d in enumerate(docs) if i not in skip and index.is_duplicate_or_add(d)}
-    finally:
-        index.close()

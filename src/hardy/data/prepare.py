@@ -135,7 +135,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, clean: Cl
             near_threshold: float = 0.8, val_fraction: float = 0.05, seed: int = 0,
             shard_tokens: int = 1 << 26, progress: bool = False) -> PrepareReport:
     """Three passes over the inputs, each streaming: clean, de-duplicate and split (a byte per document
-    is kept); train the tokenizer on the train documents if asked; tokenize into shards."""
+    is kept); train the tokenizer on the train documents if asked; tokenize both splits into shards."""
     if not inputs:
         raise HardyError("no --input given")
     if not 0 <= val_fraction < 1:
@@ -151,25 +151,23 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, clean: Cl
     out.mkdir(parents=True, exist_ok=True)
     report, fate = select_documents(inputs, out, clean, near_threshold, val_fraction, seed, progress)
 
-    def docs_of(split: int) -> Iterator[str]:
-        return (d for d, f in zip(stream_documents(inputs), fate) if f == split)
-
-    tok = build_tokenizer(tokenizer, docs_of(TRAIN))
+    train_docs = (d for d, f in zip(stream_documents(inputs), fate) if f == TRAIN)
+    tok = build_tokenizer(tokenizer, train_docs)
     eos = tok.eos_id
     if eos is None:
         raise HardyError("the tokenizer has no end-of-text token to separate documents")
     tok.save_hf(out)
-    splits = {}
-    for name, split in (("train", TRAIN), ("val", VAL)):
-        with ShardWriter(out, name, token_dtype(tok.vocab_size), shard_tokens) as writer:
-            for batch in _batches(docs_of(split), 1 << 20):
-                encoded = tok.backend.encode_batch(batch, add_special_tokens=False)
-                for e in encoded:
-                    writer.write(np.asarray(e.ids + [eos], dtype=writer.dtype))
-                writer.documents += len(batch)
-        splits[name] = writer
-        report.tokens[name], report.documents_per_split[name] = writer.tokens, writer.documents
-    write_index(out, splits, tok.vocab_size, eos, tokenizer, seed, asdict(report))
+    dtype = token_dtype(tok.vocab_size)
+    splits = {TRAIN: ShardWriter(out, "train", dtype, shard_tokens), VAL: ShardWriter(out, "val", dtype, shard_tokens)}
+    with splits[TRAIN], splits[VAL]:  # one pass for both splits
+        for split, batch in _batches(zip(stream_documents(inputs), fate), 1 << 20):
+            writer = splits[split]
+            for e in tok.backend.encode_batch(batch, add_special_tokens=False):
+                writer.write(np.asarray(e.ids + [eos], dtype=writer.dtype))
+            writer.documents += len(batch)
+    for writer in splits.values():
+        report.tokens[writer.split], report.documents_per_split[writer.split] = writer.tokens, writer.documents
+    write_index(out, {w.split: w for w in splits.values()}, tok.vocab_size, eos, tokenizer, seed, asdict(report))
     return report
 
 
@@ -213,17 +211,21 @@ def select_documents(inputs, out: Path, clean: CleanConfig, near_threshold: floa
     return report, fate
 
 
-def _batches(docs: Iterator[str], chars: int) -> Iterator[list[str]]:
-    """Documents in batches of about `chars` characters: what one tokenizer call holds at a time."""
-    batch, size = [], 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc)
-        if size >= chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+def _batches(docs, chars: int) -> Iterator[tuple[int, list[str]]]:
+    """(split, documents) in batches of about `chars` characters per split, in document order within each
+    split, from (document, fate) pairs: what one tokenizer call holds at a time. Dropped ones are left out."""
+    batches, sizes = {TRAIN: [], VAL: []}, {TRAIN: 0, VAL: 0}
+    for doc, split in docs:
+        if split == DROP:
+            continue
+        batches[split].append(doc)
+        sizes[split] += len(doc)
+        if sizes[split] >= chars:
+            yield split, batches[split]
+            batches[split], sizes[split] = [], 0
+    for split, batch in batches.items():
+        if batch:
+            yield split, batch
 
 
 class ShardWriter:

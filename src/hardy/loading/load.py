@@ -25,8 +25,8 @@ from hardy.formats.names import check_layer_count, check_weights
 from hardy.formats.packaged import PACKAGED, packaged_gguf
 from hardy.formats.tokenizer import HardyTokenizer
 from hardy.model.config import PRESETS, ModelConfig
-from hardy.ops.memory import trim_heap
 from hardy.model.transformer import Transformer, meta_transformer
+from hardy.ops.memory import trim_heap
 
 
 @dataclass
@@ -137,8 +137,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         if gguf == "native":
             cfg, state, quantized, tokenizer, _ = load_gguf_quantized(path, name=name, progress=progress,
                                                                       tp_slices=tp_slices, converter=kernels.load())
-            loaded = quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)
-            del state, quantized
+            loaded = quantized_model(cfg, state, quantized, tokenizer, str(path), dtype, device)  # empties both
             close_gguf_files()
             trim_heap()  # the conversion's freed temporaries, so a big file's RSS settles at its size
             return loaded
