@@ -68,7 +68,13 @@ def run_train(args) -> int:
 
     overrides = list(args.set) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
-    summary = train(cfg, Path(args.run_dir) if args.run_dir else default_run_dir(args.config))
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    if cfg.fault.recovery == "live":
+        from hardy.train.live import train_live
+
+        summary = train_live(cfg, run_dir)
+    else:
+        summary = train(cfg, run_dir)
     return 0 if summary.steps else 1
 
 
@@ -92,6 +98,8 @@ def run_launch(args) -> int:
     train_args = ["train", args.config, "--run-dir", run_dir]
     for item in args.set:
         train_args += ["--set", item]
+    if cfg.fault.recovery == "live":
+        return launch_live(args, cfg, train_args, Path(run_dir))
     torchrun_args = get_args_parser().parse_args(launch.torchrun_args(train_args))
     for nodes in sorted(set(launch.node_counts())):  # an elastic job must be valid at either end
         dims = ParallelDims.build(args.nproc * nodes, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
@@ -118,6 +126,20 @@ def run_launch(args) -> int:
         print(f"hardy: error: training failed after {args.max_restarts} restart(s): {type(e).__name__}")
         return 1
     return 0
+
+
+def launch_live(args, cfg, train_args: list[str], run_dir: Path) -> int:
+    from hardy.ops.live_launch import LiveLayout, run_live
+    from hardy.parallel.distributed import DistEnv
+    from hardy.train.setup import prepare_dataset
+
+    if args.nnodes:
+        raise HardyError("fault.recovery = live runs its replica groups on this node (--nnodes is for restart "
+                         "recovery)")
+    layout = LiveLayout.build(args.nproc, cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_dataset(cfg, run_dir, DistEnv(0, 1, 0, torch.device("cpu")))  # once, before the groups start
+    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir)
 
 
 def stopped_by_signal(sig, run_dir: Path, started: float) -> int:

@@ -70,9 +70,14 @@ class PackedLoader:
     def next_rows(self) -> torch.Tensor:
         """The next micro-batch as one [micro_batch, seq_len + 1] tensor (copy it to the device in one
         piece, then slice inputs and targets there)."""
-        rows = np.stack([self._sample(q) for q in self.sample_ids()]).astype(np.int64)
+        batch = self.rows(0)
         self.consumed += 1
-        batch = torch.from_numpy(rows)
+        return batch
+
+    def rows(self, micro: int = 0) -> torch.Tensor:
+        """Micro-batch `consumed + micro` of this rank, without taking it (live recovery computes other
+        ranks' shares by setting `dp_rank`, and takes the step's batches once it commits)."""
+        batch = torch.from_numpy(np.stack([self._sample(q) for q in self.sample_ids(micro)]).astype(np.int64))
         return batch.pin_memory() if self.pin_memory else batch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Built-in fault injection: faults that behave like real ones, fired reproducibly and only once.
 
-Spec: comma-separated `KIND@STEP[@rankR]`, KIND one of kill, kill_in_ckpt, nan, spike, hang,
+Spec: comma-separated `KIND@STEP[@rankR]`, KIND one of kill (after step STEP), kill_mid_step (inside
+it, after the forward pass: its peers are mid-step or in the all-reduce), kill_in_ckpt, nan, spike, hang,
 corrupt_ckpt, io_error and disk_full (the rank's first checkpoint write from STEP on fails with EIO or
 ENOSPC); and `slow@rankR:Fx[@A-B]`, a rank whose every step (or steps A to B) takes F times
 its compute, burnt as real work (a throttled or sick device), for straggler detection. Random
@@ -25,7 +26,7 @@ import torch
 
 from hardy.errors import HardyError
 
-KINDS = ("kill", "kill_in_ckpt", "nan", "spike", "hang", "corrupt_ckpt", "io_error", "disk_full")  # and slow
+KINDS = ("kill", "kill_mid_step", "kill_in_ckpt", "nan", "spike", "hang", "corrupt_ckpt", "io_error", "disk_full")  # and slow
 CHECKPOINT_KINDS = ("kill_in_ckpt", "corrupt_ckpt", "io_error", "disk_full")  # at the first save from STEP on
 LEDGER = "faults_fired.json"
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class FaultInjector:
         self.faults = parse_faults(spec)
         self.rank, self.run_dir = rank, Path(run_dir)
         self.random_kill_rate, self.random_seed = random_kill_rate, random_seed
-        self._nan = self._spike = False  # this step's loss faults (before_step decides)
+        self._nan = self._spike = self._kill_mid = False  # this step's faults inside it (before_step decides)
         self._slow = [f for f in self.faults if f.kind == "slow" and f.rank == rank]
         self._cpu0 = 0.0
 
@@ -133,9 +134,12 @@ class FaultInjector:
         if self.due("hang", step):
             self.hang()
         self._nan, self._spike = self.due("nan", step), self.due("spike", step)
+        self._kill_mid = self.due("kill_mid_step", step)
         self._cpu0 = time.process_time()
 
     def loss(self, step: int, loss):
+        if self._kill_mid:
+            self.kill()
         if self._nan:
             loss = loss * float("nan")
         if self._spike:

@@ -27,9 +27,10 @@ class StopRequest:
         self.signal: str | None = None
         self._previous: dict = {}
 
-    def install(self) -> "StopRequest":
+    def install(self, signals=None) -> "StopRequest":
+        """`signals`: those that ask for a stop (default STOP_SIGNALS); the others keep their handlers."""
         if threading.current_thread() is threading.main_thread():  # Python handles signals there only
-            for sig in STOP_SIGNALS:
+            for sig in STOP_SIGNALS if signals is None else signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 

@@ -175,9 +175,24 @@ class FaultSection:
     inject: str = ""
     random_kill_rate: float = 0.0  # probability that a step ends in SIGKILL (simulated failure-prone cluster)
     random_seed: int = 0
+    # restart: a failure restarts every process from the newest checkpoint (torchrun). live: the
+    # parallel.dp_replicate groups form a torchft quorum every step; a failed group is left out and
+    # heals from a live peer while the others go on (hardy.fault.live)
+    recovery: str = "restart"
+    exact: bool = False  # live: the survivors compute a missing group's share, so the result is bitwise a fault-free run's
+    spares: int = 0  # live: extra replica groups, in sync, that take a failed group's share at once
+    heartbeat_timeout_ms: int = 500  # live: a group silent this long is out of the next quorum
+    live_timeout_s: float = 2.0  # live: a cross-group all-reduce waits this long for a peer (a hung group)
+    quorum_timeout_s: float = 60.0  # live: the longest a step waits for its quorum
 
     def __post_init__(self):
         parse_faults(self.inject)
+        _check(self.recovery in ("restart", "live"), f"fault.recovery must be restart or live (got {self.recovery!r})")
+        _check(self.spares >= 0, "fault.spares must be >= 0")
+        _check((not self.exact and not self.spares) or self.recovery == "live",
+               "fault.exact and fault.spares need fault.recovery = live")
+        _check(self.heartbeat_timeout_ms > 0 and self.live_timeout_s > 0 and self.quorum_timeout_s > 0,
+               "fault.heartbeat_timeout_ms, live_timeout_s and quorum_timeout_s must be > 0")
         _check(self.spike_window >= 3, "fault.spike_window must be >= 3")
         _check(self.spike_threshold > 0, "fault.spike_threshold must be > 0")
         _check(self.spike_warmup >= 0 and self.max_rollbacks >= 0, "fault.spike_warmup and max_rollbacks must be >= 0")

@@ -35,6 +35,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, every: int = 1,
                  jsonl: bool = True, tensorboard: bool = False, progress: bool = True):
         self.enabled, self.every, self.total = enabled, every, total_steps
+        self.prefix = ""  # before every console line (live recovery: which replica group speaks)
+        self.step_lines = True  # the periodic step lines on the console (metrics.jsonl has every step regardless)
         self._jsonl = self._tb = self._bar = None
         self._lock = threading.Lock()  # the telemetry thread logs too
         if not enabled:
@@ -69,9 +71,10 @@ class MetricsLogger:
             return
         with self._lock:
             if self._bar is not None:
-                self._bar.write(text)
+                self._bar.write(self.prefix + text)
             else:
-                print(text, flush=True)
+                sys.stdout.write(self.prefix + text + "\n")  # one write: groups share the console
+                sys.stdout.flush()
 
     def step(self, m: dict) -> None:
         if not self.enabled:
@@ -80,7 +83,7 @@ class MetricsLogger:
         self.event("step", **clean)
         self.scalars("train", {k: clean.get(k) for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu",
                                                         "peak_mem_bytes")}, m["step"])
-        if m["step"] % self.every == 0 or m["step"] == self.total or m["skipped"]:
+        if self.step_lines and (m["step"] % self.every == 0 or m["step"] == self.total or m["skipped"]):
             self.print(format_step(m, self.total))
         if self._bar is not None:
             self._bar.update(1)

@@ -77,8 +77,12 @@ class RunSummary:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, watchdog: Watchdog, stop: StopRequest | None = None):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, watchdog: Watchdog, stop: StopRequest | None = None,
+                 shared_dir: Path | None = None):
         self.cfg, self.run_dir, self.watchdog = cfg, Path(run_dir), watchdog
+        # data, checkpoints and the preemption record: RUN_DIR itself; under live recovery each replica
+        # group logs to a directory of its own inside it
+        self.shared_dir = Path(shared_dir or run_dir)
         self.stop = stop or StopRequest()  # SIGTERM/SIGUSR1: checkpoint after the step all ranks agree on
         cuda_notes = []
         if torch.cuda.is_available() and cfg.parallel.backend != "gloo":  # before the first cuBLAS call
@@ -91,8 +95,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.dims = ParallelDims.build(self.env.world_size, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
-                                       cfg.parallel.tp)
+        self.dims = self.build_dims()
         self.wrapper = wrapping(self.dims, cfg.parallel.wrap)
         # Peak FLOP/s for MFU: the datasheet's when given, else measured before the memory meter starts
         # so its matrices do not count.
@@ -111,7 +114,7 @@ class Trainer:
                         "expect it to run much slower than fp32 (~100x for bf16 matmul on AVX2 CPUs)",
                         cfg.precision.dtype)
 
-        data_dir = prepare_dataset(cfg, self.run_dir, self.env)
+        data_dir = prepare_dataset(cfg, self.shared_dir, self.env)
 
         index = load_index(data_dir)
         self.tokens = load_split(data_dir, "train")
@@ -121,13 +124,13 @@ class Trainer:
         self.resolved = {**cfg.to_dict(), "resolved": {
             "model": self.model_cfg.to_dict(), "dataset": str(data_dir), "world_size": self.env.world_size,
             "parallel": self.dims.describe(), "dp": self.dims.dp}}
-        if self.env.is_main:
-            write_json_atomic(self.run_dir / "config.json", self.resolved)
+        self.write_config()
 
         # The global RNG draws only dropout masks (weights come from a seeded generator of their own):
         # the ranks of one tensor-parallel group must agree (their activations are replicated), the
         # data-parallel replicas should not.
-        torch.manual_seed(cfg.train.seed + self.dims.dp_rank(self.env.rank))
+        dp_rank, dp_size = self.data_parallel_place()
+        torch.manual_seed(cfg.train.seed + dp_rank)
         model = meta_transformer(self.model_cfg)
         self.mesh = build_mesh(self.dims, self.env.device.type, self.wrapper)
 
@@ -145,18 +148,18 @@ class Trainer:
         self.scaler = make_grad_scaler(cfg.precision.dtype == "fp16", device, self.env.distributed,
                                        cfg.precision.loss_scale, cfg.precision.loss_scale_growth_interval)
         self.loader = PackedLoader(self.tokens, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.grad_accum,
-                                   dp_rank=self.dims.dp_rank(self.env.rank), dp_size=self.dims.dp, seed=cfg.train.seed,
+                                   dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
                                    pin_memory=device.type == "cuda")
         self.timer = StepTimer(device)
         self.resharded = ""
         self.sample_log = (open(self.run_dir / f"sample_ids_rank{self.env.rank}.jsonl", "a")
                            if cfg.log.sample_ids else None)
-        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
+        self.ckpt = CheckpointManager(self.shared_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
         self.step = 0
         self.skipped = 0
         self.rollbacks = 0
         f = cfg.fault
-        injector = FaultInjector(f.inject, self.run_dir, self.env.rank, f.random_kill_rate, f.random_seed)
+        injector = FaultInjector(f.inject, self.run_dir, self.job_rank(), f.random_kill_rate, f.random_seed)
         h = cfg.health
         self.telemetry: TelemetrySampler | None = None
         self.straggler = None
@@ -169,8 +172,31 @@ class Trainer:
         self._telemetry_file = None
         self.spikes = SpikeDetector(f.spike_window, f.spike_threshold, f.spike_warmup)
         self.logger: MetricsLogger | None = None
-        self.tokens_per_step = self.dims.dp * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
+        self.tokens_per_step = dp_size * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
+
+    # --- what live recovery (hardy.train.live) changes --------------------------------------------
+
+    def build_dims(self) -> ParallelDims:
+        p = self.cfg.parallel
+        return ParallelDims.build(self.env.world_size, p.dp_replicate, p.dp_shard, p.tp)
+
+    def data_parallel_place(self) -> tuple[int, int]:
+        """(this process's data-parallel rank, the data-parallel degree the batch is cut for)."""
+        return self.dims.dp_rank(self.env.rank), self.dims.dp
+
+    def make_logger(self) -> MetricsLogger:
+        c = self.cfg
+        return MetricsLogger(self.run_dir, c.train.steps, self.step, self.env.is_main, c.log.every, c.log.jsonl,
+                             c.log.tensorboard, c.log.progress)
+
+    def job_rank(self) -> int:
+        """The rank `fault.inject`'s @rankR names."""
+        return self.env.rank
+
+    def write_config(self) -> None:
+        if self.env.is_main:
+            write_json_atomic(self.run_dir / "config.json", self.resolved)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -234,7 +260,7 @@ class Trainer:
         logger.event("preempted", step=self.step, path=str(path), stall_s=stall, signal=reason)
         logger.print(f"stopped on {reason} after step {self.step}: checkpoint {path}; the same command resumes it")
         if self.env.is_main:
-            record_preemption(self.run_dir, self.step, str(path), reason)
+            record_preemption(self.shared_dir, self.step, str(path), reason)
         return str(path)
 
     def after_save(self, path: Path) -> None:
@@ -435,8 +461,7 @@ class Trainer:
         cfg = self.cfg
         resumed = self.maybe_resume()
         main = self.env.is_main
-        logger = self.logger = MetricsLogger(self.run_dir, cfg.train.steps, self.step, main, cfg.log.every,
-                                             cfg.log.jsonl, cfg.log.tensorboard, cfg.log.progress)
+        logger = self.logger = self.make_logger()
         peak = self.peak_flops
         counts = count_parameters(self.model_cfg)
         on = ", ".join([str(self.env.device)] + self.device_notes)
@@ -506,7 +531,7 @@ class Trainer:
             if main:
                 write_json_atomic(self.run_dir / "summary.json", {**summary.__dict__, "goodput": goodput})
                 if not stopped:
-                    clear_preemption(self.run_dir)
+                    clear_preemption(self.shared_dir)
             return summary
         finally:
             watchdog.stop()
@@ -520,15 +545,18 @@ class Trainer:
                 self.sample_log.close()
 
 
-def train(cfg: TrainConfig, run_dir: Path) -> RunSummary:
+def train(cfg: TrainConfig, run_dir: Path, trainer_class=Trainer, log_dir: Path | None = None,
+          stop_signals=None) -> RunSummary:
+    """`log_dir`: where this process's group logs (default RUN_DIR itself)."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(log_dir or run_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     # Armed from the very start: a rendezvous or collective that never completes during start-up
     # is a hang like any other, and the launcher can only restart a process that exits.
-    watchdog = Watchdog(run_dir, int(os.environ.get("RANK", "0")), cfg.fault.startup_timeout_s).start()
-    stop = StopRequest().install()  # from the start: a signal during set-up stops after the first step
+    watchdog = Watchdog(log_dir, int(os.environ.get("RANK", "0")), cfg.fault.startup_timeout_s).start()
+    stop = StopRequest().install(stop_signals)  # from the start: a signal during set-up stops after the first step
     try:
-        return Trainer(cfg, run_dir, watchdog, stop).run()
+        return trainer_class(cfg, log_dir, watchdog, stop, shared_dir=run_dir).run()
     finally:
         stop.restore()
         watchdog.stop()

@@ -1,0 +1,300 @@
+"""The trainer under live recovery (`fault.recovery = "live"`): one replica group of a torchft job.
+
+The loop is the Trainer's; what a step does differs. Each step starts with the quorum
+(hardy.fault.live); this group computes its slots of the global batch, the groups sum their gradients
+(one all-reduce per process, with the loss and the stop flag riding in the same buffer), and the step
+commits only if every group in the quorum got through it. An uncommitted step (a peer died or hung
+mid-step) is computed again with the next quorum, from the same data position. Checkpoints (for
+whole-job failures and preemption) are written by the first group of the quorum into RUN_DIR; each
+group logs into RUN_DIR/replica_<g>.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hardy.errors import HardyError
+from hardy.fault.live import ENV_GROUP, ENV_GROUPS, LiveReplica, StepPlan, combine_slot_rows, wait_for_start
+from hardy.fsio import write_json_atomic
+from hardy.parallel import distributed as D
+from hardy.parallel.dims import ParallelDims
+from hardy.parallel.grads import grad_sq_norm, scale_grads
+from hardy.parallel.parallelize import autocast_context, grad_sync_context
+from hardy.train.trainer import Trainer, train
+
+LIVE_STOP_SIGNALS = (signal.SIGUSR1,)  # SIGTERM stays fatal: torchrun's agent ends a failed group's workers with it
+
+
+def group_dir(run_dir: Path, group: int) -> Path:
+    return Path(run_dir) / f"replica_{group}"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LiveTrainer(Trainer):
+    def __init__(self, cfg, run_dir, watchdog, stop=None, shared_dir=None):
+        self.group, self.groups = int(os.environ[ENV_GROUP]), int(os.environ[ENV_GROUPS])
+        if cfg.precision.dtype == "fp16":
+            raise HardyError("fault.recovery = live trains in fp32 or bf16 (fp16's loss scale is per group)")
+        super().__init__(cfg, run_dir, watchdog, stop, shared_dir)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(_local(p).numel() for p in self.params)
+        f = cfg.fault
+        self.replica = LiveReplica(self.group, self.groups, self.env.rank, self.env.world_size, f.exact,
+                                   self.live_state, self.load_live_state, f.live_timeout_s, f.quorum_timeout_s,
+                                   self.env.device)
+        # after the manager heartbeats: the lighthouse then waits for every group at the first quorum
+        wait_for_start(self.group, self.env.rank, f.startup_timeout_s or 7 * 86400)
+        self.plan: StepPlan | None = None  # the quorum the next step runs with, when already formed
+        self.notes: list[tuple[str, dict, str]] = []  # events to log once the logger exists
+        self.last_participants = None
+
+    # --- the layout: G groups, each a world of its own ----------------------------------------------
+
+    def build_dims(self) -> ParallelDims:
+        p = self.cfg.parallel
+        return ParallelDims.build(self.env.world_size, 1, p.dp_shard, p.tp)
+
+    def data_parallel_place(self) -> tuple[int, int]:
+        group_dp = self.dims.dp
+        return (self.group % self.groups) * group_dp + self.dims.dp_rank(self.env.rank), self.groups * group_dp
+
+    def job_rank(self) -> int:
+        return self.group * self.env.world_size + self.env.rank
+
+    def make_logger(self):
+        logger = super().make_logger()
+        logger.prefix = f"[group {self.group}] "
+        logger.step_lines = self.group == 0  # one group's step lines on the console; each logs every step
+        self.logger = logger
+        self.flush_notes()  # how this group joined
+        return logger
+
+    def write_config(self) -> None:
+        super().write_config()
+        if self.env.is_main and self.group == 0:  # RUN_DIR/config.json: what `hardy export --model RUN_DIR` reads
+            write_json_atomic(self.shared_dir / "config.json", self.resolved)
+
+    # --- state a replacement takes from a live peer ------------------------------------------------
+
+    def live_state(self) -> dict:
+        optim = {}
+        for i, p in enumerate(self.params):
+            if p in self.optimizer.state:
+                optim[str(i)] = {k: _local(v) if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"model": [_local(p.detach()) for p in self.params], "optim": optim, "optim_groups": groups,
+                "trainer": {"step": self.step, "skipped": self.skipped, "position": self.loader.position(),
+                            "scheduler": self.scheduler.state_dict(), "spikes": self.spikes.state_dict()}}
+
+    def load_live_state(self, state: dict) -> None:
+        if state["optim"] and not self.optimizer.state:  # a fresh optimizer creates its state on first step
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()  # its effect on the weights is overwritten below
+            self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, value in zip(self.params, state["model"]):
+                _local(p).copy_(value)
+            for i, p in enumerate(self.params):
+                for k, v in state["optim"].get(str(i), {}).items():
+                    if torch.is_tensor(v):
+                        _local(self.optimizer.state[p][k]).copy_(v)
+                    else:
+                        self.optimizer.state[p][k] = v
+        for group, saved in zip(self.optimizer.param_groups, state["optim_groups"]):
+            group.update(saved)  # the learning rate the schedule set: not in the scheduler's state
+        t = state["trainer"]
+        self.step, self.skipped = int(t["step"]), int(t["skipped"])
+        self.scheduler.load_state_dict(t["scheduler"])
+        self.spikes.load_state_dict(t["spikes"])
+        self.loader.seek(int(t["position"]))
+
+    def maybe_resume(self) -> Path | None:
+        """Join the quorum first: a live peer ahead of us heals us. Only with none ahead (the whole job
+        restarting, or every other group down) does the group read the newest checkpoint."""
+        self.plan = self.replica.begin_step()
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.plan.healed:  # train_step reports it
+            return None
+        if self.cfg.checkpoint.resume == "never":
+            path = None
+        else:
+            path = super().maybe_resume()
+        if path is not None:
+            self.replica.set_step(self.step)
+            self.note("live_fallback", f"replica group {self.group}: no live peer ahead of it; resumed from "
+                                       f"checkpoint {path.name} (step {self.step})", step=self.step, checkpoint=str(path))
+        elif restarted:
+            self.note("live_fallback", f"replica group {self.group} restarted with no live peer and no checkpoint: "
+                                       "training starts again from step 0", step=0, checkpoint=None)
+        return path
+
+    def note(self, event: str, line: str, **fields) -> None:
+        self.notes.append((event, fields, line))
+
+    def flush_notes(self) -> None:
+        for event, fields, line in self.notes:
+            self.logger.event(event, group=self.group, **fields)
+            self.logger.print(line)
+        self.notes.clear()
+
+    # --- the step -----------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        self.timer.start()
+        self.hooks.before_step(self.step + 1)
+        plan, self.plan = self.plan or self.replica.begin_step(), None
+        while True:
+            if plan.healed:
+                self.note("live_heal", f"replica group {self.group} healed from a live peer at step {self.step}",
+                          step=self.step)
+            self.report_quorum(plan)
+            buffer, stop = self.compute(plan)
+            if self.replica.all_reduce(buffer) and self.replica.commit():
+                break
+            error = self.replica.error()
+            self.note("live_retry", f"step {self.step + 1} did not commit ({error or 'a replica group failed'}): "
+                                    "computing it again with the next quorum", step=self.step + 1, error=error)
+            self.flush_notes()
+            self.optimizer.zero_grad(set_to_none=True)
+            plan = self.replica.begin_step()
+        self.flush_notes()
+        return self.apply(plan, buffer)
+
+    def report_quorum(self, plan: StepPlan) -> None:
+        if plan.participants == self.last_participants:
+            return
+        self.last_participants = plan.participants
+        missing = self.groups - min(plan.participants, self.groups)
+        if missing and self.cfg.fault.exact:
+            how = f"the others compute its share{'s' if missing > 1 else ''} (exact)"
+        elif missing:
+            how = f"{missing} share(s) of the batch dropped per step until it is back (fast mode)"
+        else:
+            how = "the full batch"
+        spares = max(0, plan.participants - self.groups)
+        self.note("live_quorum", f"step {self.step + 1}: {plan.participants} replica group(s) in the quorum "
+                                 f"({self.groups} computing{f', {spares} spare' if spares else ''}): {how}",
+                  step=self.step + 1, participants=plan.participants, slots=list(plan.computed))
+
+    def compute(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
+        """Forward and backward for this group's slots; returns the buffer the groups sum: per row, the
+        flat local gradient shard, then the row's loss and non-finite count; the stop flag in row 0."""
+        cfg, device, accum = self.cfg, self.env.device, self.cfg.train.grad_accum
+        rows = self.groups if cfg.fault.exact else 1
+        n = self.numel
+        buffer = torch.zeros(rows, n + 3, dtype=torch.float32, device=device)
+        group_dp, local_dp = self.dims.dp, self.dims.dp_rank(self.env.rank)
+        for slot in plan.slots:
+            # dropout: the same draws whichever group computes the slot
+            torch.manual_seed(cfg.train.seed * 1_000_003 + (self.step * self.groups + slot) * group_dp + local_dp)
+            self.loader.dp_rank = slot * group_dp + local_dp
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for micro in range(accum):
+                batch = self.loader.rows(micro).to(device, non_blocking=True)
+                with grad_sync_context(self.model, micro == accum - 1):
+                    with autocast_context(device, cfg.precision.dtype, self.wrapper == "fsdp"):
+                        loss = self.model(batch[:, :-1], targets=batch[:, 1:])
+                    loss = self.hooks.loss(self.step + 1, loss)
+                    (loss / accum).backward()
+                loss_sum += loss.detach().float()
+            row = buffer[slot if cfg.fault.exact else 0]
+            torch.cat([_local(p.grad).reshape(-1) for p in self.params], out=row[:n])
+            row[n] = loss_sum / accum
+            row[n + 1] = (~torch.isfinite(loss_sum)).float()
+            self.optimizer.zero_grad(set_to_none=True)
+        buffer[0, n + 2] = float(self.stop.requested)
+        return buffer, float(self.stop.requested)
+
+    def apply(self, plan: StepPlan, buffer: torch.Tensor) -> dict:
+        """The committed step: the mean gradient of the computed slots, then the Trainer's decisions."""
+        cfg, device, n = self.cfg, self.env.device, self.numel
+        grads = combine_slot_rows(buffer[:, :n], plan.computed) if cfg.fault.exact else \
+            buffer[0, :n].div_(len(plan.computed))
+        offset = 0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+            local = _local(p.grad)
+            local.copy_(grads[offset:offset + local.numel()].view_as(local))
+            offset += local.numel()
+        extras = torch.stack([buffer[:, n].sum(), buffer[:, n + 1].sum(), buffer[:, n + 2].sum()]).double()
+        summed = D.all_reduce_sum(extras)
+        sq_norm = grad_sq_norm(self.params, device)
+        loss_total, bad_count, stops, sq = torch.stack([summed[0], summed[1], summed[2], sq_norm]).tolist()
+        mean_loss = loss_total / (len(plan.computed) * self.env.world_size)
+        grad_norm = math.sqrt(sq)
+        bad = bad_count > 0 or not (math.isfinite(grad_norm) and math.isfinite(mean_loss))
+        if bad and not cfg.fault.skip_nonfinite:
+            raise HardyError(f"non-finite loss or gradient at step {self.step + 1} (fault.skip_nonfinite = false)")
+        # every group sees the same loss: the same spike decision. Live recovery skips a spike's step
+        # (no rollback: that would send every group back to a checkpoint)
+        spike = not bad and cfg.fault.spike_detection and self.spikes.is_spike(mean_loss)
+        lr = self.scheduler.get_last_lr()[0]
+        ckpt_wait = 0.0
+        if bad or spike:
+            self.skipped += 1
+        else:
+            self.spikes.observe(mean_loss)
+            if cfg.optim.grad_clip and grad_norm > cfg.optim.grad_clip:
+                scale_grads(self.params, cfg.optim.grad_clip / (grad_norm + 1e-6))
+            t_wait = time.perf_counter()
+            self.ckpt.staged()
+            ckpt_wait = time.perf_counter() - t_wait
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.advance_schedule()
+        self.loader.consumed += cfg.train.grad_accum  # the whole global batch, computed or dropped
+        self.step += 1
+        self.last_rank = plan.rank
+        dt = self.timer.stop()
+        self.hooks.after_step(self.step)
+        share = len(plan.computed) / self.groups
+        return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
+                "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step * share / dt,
+                "step_time_s": dt, "skipped": bool(bad or spike), "loss_scale": 1.0, "ckpt_wait_s": ckpt_wait,
+                "stop": stops > 0, "participants": plan.participants, "slots": len(plan.computed)}
+
+    # --- checkpoints: the quorum's first group writes them -------------------------------------------
+
+    last_rank = -1
+
+    def writes_checkpoints(self) -> bool:
+        return self.last_rank == 0
+
+    def checkpoint_due(self, since_last: float, last_stall: float | None) -> bool:
+        return self.writes_checkpoints() and super().checkpoint_due(since_last, last_stall)
+
+    def save_checkpoint(self, final: bool = False):
+        if not self.writes_checkpoints():
+            return None, 0.0
+        return super().save_checkpoint(final)
+
+    def checkpoint_on_stop(self, logger) -> str | None:
+        if self.writes_checkpoints():
+            return super().checkpoint_on_stop(logger)
+        logger.print(f"stopped on {self.stop.signal or 'a stop signal'} after step {self.step}; the quorum's first "
+                     "replica group writes the checkpoint")
+        return None
+
+    def run(self):
+        try:
+            return super().run()
+        finally:
+            self.replica.shutdown()
+
+
+def train_live(cfg, run_dir: Path):
+    group = int(os.environ.get(ENV_GROUP, "-1"))
+    if group < 0 or ENV_GROUPS not in os.environ:
+        raise HardyError("fault.recovery = live runs under `hardy launch` (it starts the lighthouse and the "
+                         "replica groups)")
+    return train(cfg, run_dir, LiveTrainer, group_dir(run_dir, group), LIVE_STOP_SIGNALS)
