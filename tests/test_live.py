@@ -109,3 +109,82 @@ def test_exact_mode_through_kills_and_a_whole_job_failure_equals_the_fault_free_
         assert all(f["step"] == 20 and f["checkpoint"].endswith("step_00000020") for f in fallback), fallback
         assert [e["step"] for e in events(whole, group, "start")][1] >= 20  # the restart did not begin again
     assert_bitwise_equal(tmp_path / "clean" / final, whole / final)
+
+
+def _worker_pid(group: int) -> int | None:
+    """The training process of replica group `group` (the one torchrun's agent started), if up."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"HARDY_REPLICA_GROUP={group}".encode() in env and b"LOCAL_RANK=0" in env and b"torch.distributed.run" not in cmd:
+            return int(entry.name)
+    return None
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps(run_dir: Path, group: int) -> list[dict]:
+    path = run_dir / f"replica_{group}" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()[:-1]) if r["event"] == "step"]
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_group_is_out_of_the_quorum_in_two_seconds_and_a_spare_takes_its_share(tmp_path, micro_dataset):
+    run_dir = tmp_path / "run"
+    cmd = live_command(run_dir, micro_dataset, 3, "parallel.dp_replicate=3", "fault.spares=1", "train.steps=600")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        _wait_for(lambda: len(_steps(run_dir, 0)) >= 20, 120, "step 20")
+        pid = _worker_pid(1)
+        os.kill(pid, signal.SIGSTOP)  # hung: no heartbeat, no all-reduce, its sockets open
+        stopped = time.time()
+        quorum = _wait_for(lambda: [e for e in events(run_dir, 0, "live_quorum") if e["time"] > stopped], 60,
+                           "a quorum without the hung group")[0]
+        # out after the all-reduce's timeout (fault.live_timeout_s = 2 s) and the heartbeat's (0.5 s)
+        assert quorum["time"] - stopped <= 3.0, quorum["time"] - stopped
+        # the spare took the hung group's share: three groups compute, the whole batch
+        assert quorum["participants"] == 3 and quorum["slots"] == [0, 1, 2], quorum
+        _wait_for(lambda: [s for s in _steps(run_dir, 0) if s["time"] > quorum["time"]], 30, "a step after it")
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGCONT)  # back: its step fails, it finds itself behind and heals from a peer
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-5000:]
+    assert [e for e in events(run_dir, 1, "live_heal") if e["time"] > stopped], out[-3000:]
+    finals = {g: _steps(run_dir, g)[-1] for g in range(4)}
+    assert {s["step"] for s in finals.values()} == {600}
+    assert len({s["loss"] for s in finals.values()}) == 1  # every group, spare included, ends in the same state
+
+
+@pytest.mark.timeout(400)
+def test_the_documented_live_command_with_fsdp_groups_heals_both_kills_and_exports(tmp_path, micro_dataset):
+    run_dir = tmp_path / "run"
+    out = run_live(run_dir, micro_dataset, 6, "parallel.dp_replicate=3", "parallel.dp_shard=2", "fault.exact=true",
+                   "train.steps=300", "fault.inject=kill@20@rank2,kill@45@rank4", timeout=360)
+    assert "3 replica group(s) of 2 process(es)" in out
+    for group in (1, 2):  # rank 2 is group 1's first process, rank 4 group 2's
+        assert events(run_dir, group, "live_heal"), out[-4000:]
+    assert events(run_dir, 0, "end")[0]["steps"] == 300 and not events(run_dir, 0, "live_fallback")
+    export = subprocess.run([sys.executable, "-m", "hardy", "export", "--model", str(run_dir), "--format",
+                             "safetensors", "--out", str(tmp_path / "export")], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert export.returncode == 0, export.stderr
+    assert (tmp_path / "export" / "model.safetensors").is_file()

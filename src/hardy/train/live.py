@@ -48,6 +48,7 @@ class LiveTrainer(Trainer):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(_local(p).numel() for p in self.params)
         f = cfg.fault
+        self.warm_up()
         self.replica = LiveReplica(self.group, self.groups, self.env.rank, self.env.world_size, f.exact,
                                    self.live_state, self.load_live_state, f.live_timeout_s, f.quorum_timeout_s,
                                    self.env.device)
@@ -56,6 +57,16 @@ class LiveTrainer(Trainer):
         self.plan: StepPlan | None = None  # the quorum the next step runs with, when already formed
         self.notes: list[tuple[str, dict, str]] = []  # events to log once the logger exists
         self.last_participants = None
+
+    def warm_up(self) -> None:
+        """One forward and backward before joining, its gradients dropped: first-call costs (FSDP's lazy
+        set-up, the allocator) would otherwise make this group's first step late enough for its peers'
+        all-reduce to time out."""
+        batch = self.loader.rows(0).to(self.env.device)
+        with autocast_context(self.env.device, self.cfg.precision.dtype, self.wrapper == "fsdp"):
+            loss = self.model(batch[:, :-1], targets=batch[:, 1:])
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     # --- the layout: G groups, each a world of its own ----------------------------------------------
 
@@ -288,6 +299,13 @@ class LiveTrainer(Trainer):
     def run(self):
         try:
             return super().run()
+        except (HardyError, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a process of this group died (a collective inside the group failed, or
+            # its quorum server went with its rank 0): this group restarts, the others go on
+            first = (str(e).splitlines() or [""])[0][:300]
+            raise HardyError(f"replica group {self.group} lost a process ({type(e).__name__}: {first}); it "
+                             "restarts and heals from a live peer while the others go on") from e
         finally:
             self.replica.shutdown()
 
