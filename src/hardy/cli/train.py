@@ -73,6 +73,8 @@ def run_train(args) -> int:
         from hardy.train.live import train_live
 
         summary = train_live(cfg, run_dir)
+        if summary is None:  # evicted as a straggler (health.straggler_action = evict): the job goes on without it
+            return 0
     else:
         summary = train(cfg, run_dir)
     return 0 if summary.steps else 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import statistics
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 
 from hardy.errors import HardyError
+from hardy.fault.straggler import find_stragglers
 
 ENV_GROUP = "HARDY_REPLICA_GROUP"  # this process's replica group (0.. for the job's, G.. for spares)
 ENV_GROUPS = "HARDY_REPLICA_GROUPS"  # G: the groups the global batch is cut for
@@ -215,3 +217,28 @@ def combine_slot_rows(rows: torch.Tensor, computed: tuple[int, ...]) -> torch.Te
     for s in computed[1:]:
         total += rows[s]
     return total.div_(len(computed))
+
+
+class GroupStragglers:
+    """Straggler replica groups, from each step's per-group busy times (every group sees the same table:
+    it rides the step's all-reduce). Every `every` steps, a group whose median busy time exceeds
+    `factor` times the others' median is named; `act_after` windows in a row and it is acted on."""
+
+    def __init__(self, every: int, factor: float, act_after: int):
+        self.every, self.factor, self.act_after = every, factor, act_after
+        self.window: list[list[float]] = []
+        self.flagged: dict[int, int] = {}
+
+    def observe(self, times: list[float]) -> tuple[list[tuple[int, float]], int | None]:
+        """`times[g]`: group g's busy seconds in the last step (0: not in it). Returns (stragglers as
+        (group, ratio), the group to act on or None) at a window's end; ([], None) otherwise."""
+        self.window.append(times)
+        if len(self.window) < self.every:
+            return [], None
+        present = [g for g in range(len(times)) if sum(1 for t in self.window if t[g] > 0) * 2 >= self.every]
+        medians = [statistics.median([t[g] for t in self.window if t[g] > 0]) for g in present]
+        self.window = []
+        slow = [(present[i], ratio) for i, ratio in find_stragglers(medians, self.factor)]
+        self.flagged = {g: self.flagged.get(g, 0) + 1 for g, _ in slow}
+        act = next((g for g, _ in slow if self.act_after and self.flagged[g] >= self.act_after), None)
+        return slow, act

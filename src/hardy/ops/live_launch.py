@@ -62,7 +62,9 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
     from torch.distributed import TCPStore
 
     f = cfg.fault
-    lighthouse = start_lighthouse(1, f.heartbeat_timeout_ms, join_timeout_ms=f.heartbeat_timeout_ms)
+    # a dead or stopped group stops heartbeating and is out after heartbeat_timeout_ms; one that is alive but
+    # late (saving a checkpoint) is waited for, up to join_timeout_s
+    lighthouse = start_lighthouse(1, f.heartbeat_timeout_ms, join_timeout_ms=int(f.join_timeout_s * 1000))
     start_store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, ENV_GROUPS: str(layout.groups), ENV_LIGHTHOUSE: lighthouse.address(),
            ENV_START: f"localhost:{start_store.port}", ENV_START_COUNT: str(layout.processes),

@@ -181,7 +181,8 @@ class FaultSection:
     recovery: str = "restart"
     exact: bool = False  # live: the survivors compute a missing group's share, so the result is bitwise a fault-free run's
     spares: int = 0  # live: extra replica groups, in sync, that take a failed group's share at once
-    heartbeat_timeout_ms: int = 500  # live: a group silent this long is out of the next quorum
+    heartbeat_timeout_ms: int = 300  # live: a group silent this long (dead, or stopped) is out of the next quorum
+    join_timeout_s: float = 30.0  # live: how long a quorum waits for a group still heartbeating but late (a save)
     live_timeout_s: float = 2.0  # live: a cross-group all-reduce waits this long for a peer (a hung group)
     quorum_timeout_s: float = 60.0  # live: the longest a step waits for its quorum
 
@@ -191,8 +192,8 @@ class FaultSection:
         _check(self.spares >= 0, "fault.spares must be >= 0")
         _check((not self.exact and not self.spares) or self.recovery == "live",
                "fault.exact and fault.spares need fault.recovery = live")
-        _check(self.heartbeat_timeout_ms > 0 and self.live_timeout_s > 0 and self.quorum_timeout_s > 0,
-               "fault.heartbeat_timeout_ms, live_timeout_s and quorum_timeout_s must be > 0")
+        _check(min(self.heartbeat_timeout_ms, self.live_timeout_s, self.quorum_timeout_s, self.join_timeout_s) > 0,
+               "fault.heartbeat_timeout_ms, live_timeout_s, join_timeout_s and quorum_timeout_s must be > 0")
         _check(self.spike_window >= 3, "fault.spike_window must be >= 3")
         _check(self.spike_threshold > 0, "fault.spike_threshold must be > 0")
         _check(self.spike_warmup >= 0 and self.max_rollbacks >= 0, "fault.spike_warmup and max_rollbacks must be >= 0")
@@ -210,7 +211,9 @@ class HealthSection:
     warn_disk_free_gib: float = 5.0  # free space left in the run directory
     straggler_every: int = 50  # steps per straggler comparison across ranks; 0 = off (one process: off)
     straggler_factor: float = 1.5  # slower than this times the median of the other ranks: a straggler
-    straggler_stop_after: int = 0  # stop the job when one rank is a straggler this many windows in a row; 0 = never
+    straggler_stop_after: int = 0  # act when one rank is a straggler this many windows in a row; 0 = never
+    # stop: the job stops; evict (live recovery): the slow replica group leaves and the others go on
+    straggler_action: str = "stop"
 
     def __post_init__(self):
         _check(self.telemetry_interval_s == 0 or self.telemetry_interval_s >= 0.1,
@@ -220,6 +223,7 @@ class HealthSection:
         _check(self.straggler_every >= 0 and self.straggler_stop_after >= 0,
                "health.straggler_every and straggler_stop_after must be >= 0")
         _check(self.straggler_factor > 1, f"health.straggler_factor must be > 1 (got {self.straggler_factor})")
+        _check(self.straggler_action in ("stop", "evict"), "health.straggler_action must be stop or evict")
 
 
 @dataclass

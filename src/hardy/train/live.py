@@ -20,7 +20,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hardy.errors import HardyError
-from hardy.fault.live import ENV_GROUP, ENV_GROUPS, LiveReplica, StepPlan, combine_slot_rows, wait_for_start
+from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, GroupStragglers, LiveReplica, StepPlan, combine_slot_rows,
+                              wait_for_start)
 from hardy.fsio import write_json_atomic
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
@@ -29,6 +30,10 @@ from hardy.parallel.parallelize import autocast_context, grad_sync_context
 from hardy.train.trainer import Trainer, train
 
 LIVE_STOP_SIGNALS = (signal.SIGUSR1,)  # SIGTERM stays fatal: torchrun's agent ends a failed group's workers with it
+
+
+class GroupEvicted(Exception):
+    """This group was a persistent straggler and leaves the job (health.straggler_action = evict)."""
 
 
 def group_dir(run_dir: Path, group: int) -> Path:
@@ -54,6 +59,11 @@ class LiveTrainer(Trainer):
                                    self.env.device)
         # after the manager heartbeats: the lighthouse then waits for every group at the first quorum
         wait_for_start(self.group, self.env.rank, f.startup_timeout_s or 7 * 86400)
+        self.columns = self.groups + f.spares  # one busy-time column per group in the all-reduce buffer
+        h = cfg.health
+        self.group_stragglers = GroupStragglers(h.straggler_every, h.straggler_factor, h.straggler_stop_after) \
+            if h.straggler_every else None
+        self.busy_s = 0.0  # this group's last step, less its waits on the others (quorum, all-reduce)
         self.plan: StepPlan | None = None  # the quorum the next step runs with, when already formed
         self.notes: list[tuple[str, dict, str]] = []  # events to log once the logger exists
         self.last_participants = None
@@ -162,24 +172,34 @@ class LiveTrainer(Trainer):
 
     def train_step(self) -> dict:
         self.timer.start()
+        t0 = time.perf_counter()
         self.hooks.before_step(self.step + 1)
+        waited = time.perf_counter()
         plan, self.plan = self.plan or self.replica.begin_step(), None
+        waited = time.perf_counter() - waited
         while True:
             if plan.healed:
                 self.note("live_heal", f"replica group {self.group} healed from a live peer at step {self.step}",
                           step=self.step)
             self.report_quorum(plan)
             buffer, stop = self.compute(plan)
-            if self.replica.all_reduce(buffer) and self.replica.commit():
+            t_reduce = time.perf_counter()
+            committed = self.replica.all_reduce(buffer) and self.replica.commit()
+            waited += time.perf_counter() - t_reduce
+            if committed:
                 break
             error = self.replica.error()
             self.note("live_retry", f"step {self.step + 1} did not commit ({error or 'a replica group failed'}): "
                                     "computing it again with the next quorum", step=self.step + 1, error=error)
             self.flush_notes()
             self.optimizer.zero_grad(set_to_none=True)
+            t_quorum = time.perf_counter()
             plan = self.replica.begin_step()
+            waited += time.perf_counter() - t_quorum
         self.flush_notes()
-        return self.apply(plan, buffer)
+        record = self.apply(plan, buffer)
+        self.busy_s = time.perf_counter() - t0 - waited
+        return record
 
     def report_quorum(self, plan: StepPlan) -> None:
         if plan.participants == self.last_participants:
@@ -203,7 +223,7 @@ class LiveTrainer(Trainer):
         cfg, device, accum = self.cfg, self.env.device, self.cfg.train.grad_accum
         rows = self.groups if cfg.fault.exact else 1
         n = self.numel
-        buffer = torch.zeros(rows, n + 3, dtype=torch.float32, device=device)
+        buffer = torch.zeros(rows, n + 3 + self.columns, dtype=torch.float32, device=device)
         group_dp, local_dp = self.dims.dp, self.dims.dp_rank(self.env.rank)
         for slot in plan.slots:
             # dropout: the same draws whichever group computes the slot
@@ -224,6 +244,7 @@ class LiveTrainer(Trainer):
             row[n + 1] = (~torch.isfinite(loss_sum)).float()
             self.optimizer.zero_grad(set_to_none=True)
         buffer[0, n + 2] = float(self.stop.requested)
+        buffer[0, n + 3 + self.group] = self.busy_s  # the previous step's: this one is not over
         return buffer, float(self.stop.requested)
 
     def apply(self, plan: StepPlan, buffer: torch.Tensor) -> dict:
@@ -237,10 +258,12 @@ class LiveTrainer(Trainer):
             local = _local(p.grad)
             local.copy_(grads[offset:offset + local.numel()].view_as(local))
             offset += local.numel()
-        extras = torch.stack([buffer[:, n].sum(), buffer[:, n + 1].sum(), buffer[:, n + 2].sum()]).double()
-        summed = D.all_reduce_sum(extras)
+        extras = torch.cat([torch.stack([buffer[:, n].sum(), buffer[:, n + 1].sum(), buffer[:, n + 2].sum()]),
+                            buffer[0, n + 3:]]).double()
+        summed = D.all_reduce_sum(extras)  # over the group's processes: every process of every group sees the same
         sq_norm = grad_sq_norm(self.params, device)
-        loss_total, bad_count, stops, sq = torch.stack([summed[0], summed[1], summed[2], sq_norm]).tolist()
+        loss_total, bad_count, stops, *busy, sq = torch.cat([summed, sq_norm.reshape(1)]).tolist()
+        self.watch_groups(busy)
         mean_loss = loss_total / (len(plan.computed) * self.env.world_size)
         grad_norm = math.sqrt(sq)
         bad = bad_count > 0 or not (math.isfinite(grad_norm) and math.isfinite(mean_loss))
@@ -274,6 +297,30 @@ class LiveTrainer(Trainer):
                 "step_time_s": dt, "skipped": bool(bad or spike), "loss_scale": 1.0, "ckpt_wait_s": ckpt_wait,
                 "stop": stops > 0, "participants": plan.participants, "slots": len(plan.computed)}
 
+    def watch_groups(self, busy: list[float]) -> None:
+        """Per-group busy times of the previous step (every group reads the same): name a straggler group,
+        and act on one slow for health.straggler_stop_after windows in a row."""
+        if self.group_stragglers is None or self.step == 0:
+            return
+        slow, act = self.group_stragglers.observe(busy)
+        h = self.cfg.health
+        for group, ratio in slow:
+            self.note("straggler", f"straggler: replica group {group} took {ratio:.1f}x the other groups' time "
+                                   f"per step over the last {h.straggler_every} steps", step=self.step,
+                      straggler_group=group, ratio=ratio)
+        if act is None:
+            self.flush_notes()
+            return
+        if h.straggler_action == "stop":
+            raise HardyError(f"replica group {act} was a straggler in {h.straggler_stop_after} windows in a row: "
+                             "stopping (health.straggler_action = stop)")
+        self.note("straggler_evicted", f"replica group {act} evicted: a straggler in {h.straggler_stop_after} windows "
+                                       "in a row (health.straggler_action = evict); the others go on without it",
+                  step=self.step, straggler_group=act)
+        self.flush_notes()
+        if act == self.group:
+            raise GroupEvicted()
+
     # --- checkpoints: the quorum's first group writes them -------------------------------------------
 
     last_rank = -1
@@ -299,6 +346,8 @@ class LiveTrainer(Trainer):
     def run(self):
         try:
             return super().run()
+        except GroupEvicted:  # exit 0: torchrun does not restart it; the others leave it out from the next quorum
+            return None
         except (HardyError, SystemExit, KeyboardInterrupt):
             raise
         except Exception as e:  # a process of this group died (a collective inside the group failed, or
