@@ -117,6 +117,10 @@ def test_short_demo_end_to_end(tmp_path):
     for m in (kill, hang):
         assert int(m.group(2)) < int(m.group(1))  # resumed from a checkpoint before the failure
     assert out.rstrip().endswith(f"report: {run_dir / 'report.html'}")
+    # the same job under live recovery: the survivor went on, with the restart's recovery time beside it
+    live = re.search(r"live recovery: group 1 killed at step 10: group 0 went on after ([\d.]+) s \(restart "
+                     r"recovery above: ([\d.]+) s\)", out)
+    assert live and float(live.group(1)) < float(live.group(2)), out
     logs = list((run_dir / "logs").rglob("stdout.log"))
     assert {p.parent.name for p in logs} == {"0", "1"} and len({p.parent.parent.name for p in logs}) == 3
 
@@ -140,3 +144,4 @@ def test_short_demo_end_to_end(tmp_path):
     assert end["steps"] == 40 and train["goodput"]["restarts"] == 2
     assert len(train["telemetry"]) == 2 and all(train["telemetry"].values())  # both ranks sampled
     assert results["generate"]["text"]
+    assert results["live"]["steps"] == 40 and f"{results['live']['stall_s']:.2f} s beyond" in page

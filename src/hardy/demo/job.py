@@ -84,7 +84,7 @@ class Demo:
         t0 = time.perf_counter()
         summary = fn()
         self.stages.append(Stage(name, time.perf_counter() - t0, summary))
-        self.say(f"[{len(self.stages)}/8] {name}: {summary} ({self.stages[-1].seconds:.1f} s)")
+        self.say(f"[{len(self.stages)}/9] {name}: {summary} ({self.stages[-1].seconds:.1f} s)")
         self._save()
 
     def _save(self) -> None:
@@ -103,6 +103,7 @@ class Demo:
         self._stage("plan", self.plan)
         self._stage("data", self.data)
         self._stage("train", self.train)
+        self._stage("live recovery", self.live)
         self._stage("evaluate", self.evaluate)
         self._stage("compress", self.compress)
         self._stage("generate", self.generate)
@@ -218,6 +219,35 @@ class Demo:
         return (f"{end['steps']} steps, final loss {end['final_loss']:.3f}, {len(watcher.incidents)} incidents "
                 f"recovered, goodput {100 * goodput['goodput']:.1f}% ({goodput['restarts']} restarts)")
 
+    def live(self) -> str:
+        """The same job under live recovery (torchft): 2 replica groups of 1 process, one SIGKILLed at a
+        quarter of the run; the other goes on without it, and the restarted one heals from it."""
+        o = self.opts
+        kill = max(3, o.steps // 4)
+        config = self.run_dir / "live.toml"
+        config.write_text(self.train_config().replace(f"dp_shard = {o.nproc}", "dp_replicate = 2").replace(
+            f'inject = "{self.faults()}"', f'inject = "kill@{kill}@rank1"\nrecovery = "live"\nexact = true'))
+        live_dir = self.run_dir / "live"
+        cmd = [sys.executable, "-m", "hardy", "launch", "--nproc", "2", "--max-restarts", "2", str(config),
+               "--run-dir", str(live_dir), "--log-dir", str(self.run_dir / "logs-live")]
+        self.say(f"      live recovery: {' '.join(cmd[2:])}")
+        with open(self.run_dir / "live-launcher.log", "wb") as out:
+            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+        if code:
+            raise HardyError(f"live-recovery training failed (exit {code}); see {self.run_dir / 'live-launcher.log'}")
+        self.results["live"] = live = live_recovery(live_dir, kill)
+        restarts = [i.recovery_s for i in self._incidents() if i.recovery_s is not None]
+        live["restart_recovery_s"] = sum(restarts) / len(restarts) if restarts else None
+        healed = (f"the killed group healed from its peer {live['heal_s']:.1f} s after the kill"
+                  if live["heal_s"] is not None else "the run ended before the killed group was back")
+        return (f"group 1 killed at step {kill}: group 0 went on after {live['stall_s']:.2f} s (restart recovery "
+                f"above: {live['restart_recovery_s'] or float('nan'):.1f} s); {healed}")
+
+    def _incidents(self):
+        from hardy.demo.events import Incident
+
+        return [Incident(**i) for i in self.results.get("train", {}).get("incidents", [])]
+
     def evaluate(self) -> str:
         loaded = load_model(str(self.run_dir / "train"))
         tokens = [int(t) for t in load_split(self.run_dir / "data", "val")[:self.opts.eval_tokens]]
@@ -267,6 +297,25 @@ class Demo:
         self.results["wall_s"] = time.time() - self.results["started"]
         path = write_report(self.run_dir / "report.html", self.results)
         return str(path)
+
+
+def live_recovery(live_dir: Path, kill_step: int) -> dict:
+    """What the live run's metrics say about its kill: the survivor's stall (its next step's time beyond
+    its median step), when the killed group healed, and the run's final loss."""
+    def records(group: int) -> list[dict]:
+        path = live_dir / f"replica_{group}" / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    survivor = records(0)
+    steps = {r["step"]: r for r in survivor if r["event"] == "step"}
+    median = sorted(r["step_time_s"] for r in steps.values())[len(steps) // 2]
+    after = steps.get(kill_step + 1)
+    heals = [r for r in records(1) if r["event"] == "live_heal"]
+    end = next((r for r in reversed(survivor) if r["event"] == "end"), {})
+    return {"kill_step": kill_step, "stall_s": max(0.0, after["step_time_s"] - median) if after else float("nan"),
+            "step_s": median, "heal_s": heals[0]["time"] - steps[kill_step]["time"] if heals and kill_step in steps
+            else None, "heal_step": heals[0]["step"] if heals else None, "final_loss": end.get("final_loss"),
+            "steps": end.get("steps")}
 
 
 def prepare_run_dir(run_dir: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from hardy.fault.goodput import LOSS_KEYS
 from hardy.fsio import write_bytes_atomic
 
-SECTIONS = ("Summary", "Machine", "Plan and measurement", "Data", "Training", "Goodput", "Telemetry",
+SECTIONS = ("Summary", "Machine", "Plan and measurement", "Data", "Training", "Goodput", "Live recovery", "Telemetry",
             "Evaluation", "Compression", "Generation")
 MARKS = {"killed": ("tab:red", "x"), "hung": ("tab:purple", "s"), "failed": ("black", "x"), "nan": ("tab:orange", "o"),
          "spike": ("tab:brown", "^")}
@@ -224,6 +224,20 @@ def sections(r: dict) -> dict[str, str]:
         ["where the wall time went", "seconds", "share"],
         [["useful steps", f"{g['useful_s']:.1f}", f"{100 * g['useful_s'] / g['wall_s']:.1f}%"]] +
         [[k, f"{v:.1f}", f"{100 * v / g['wall_s']:.1f}%"] for k, v in g["losses_s"].items() if v > 0])
+    live = r.get("live")
+    if live:
+        restart = live.get("restart_recovery_s")
+        out["Live recovery"] = _table(["", "checkpoint-restart (training above)", "live recovery (torchft)"], [
+            ["what a failure stops", "every process: the job restarts from its newest checkpoint",
+             "the failed replica group only; the other commits the next step without it"],
+            ["time until training goes on", f"{restart:.1f} s" if restart is not None else "no restart measured",
+             f"{live['stall_s']:.2f} s beyond a {live['step_s']:.3f} s step"],
+            ["the failed process back in", "the restart above",
+             f"{live['heal_s']:.1f} s, healed from the live peer at step {live['heal_step']}"
+             if live["heal_s"] is not None else "after the run ended"]]) + \
+            f"<p class=note>The same model and data on 2 replica groups of 1 process, exact mode (the survivor " \
+            f"computes the missing group's share, so the result is the fault-free run's); group 1 SIGKILLed after " \
+            f"step {live['kill_step']}. Final loss {live['final_loss']:.3f} after {live['steps']} steps.</p>"
     absent = sorted({k for samples in train["telemetry"].values() for s in samples for k in s.get("absent", [])})
     n = sum(len(v) for v in train["telemetry"].values())
     out["Telemetry"] = _img(telemetry_figure(train["telemetry"], t0)) + \
@@ -254,7 +268,7 @@ def write_report(path: Path, results: dict) -> Path:
     stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(results["started"]))
     body = [f"<h1>hardy demo</h1><p class=note>Run of {stamp}; every number below was measured in this run "
             f"(demo.json beside this page).</p>"]
-    for name in SECTIONS:
+    for name in (n for n in SECTIONS if n in parts):
         body.append(f'<h2 id="{name.lower().replace(" ", "-")}">{html.escape(name)}</h2>{parts[name]}')
     doc = f"<!doctype html><meta charset='utf-8'><title>hardy demo</title><style>{CSS}</style>{''.join(body)}"
     write_bytes_atomic(Path(path), doc.encode())
