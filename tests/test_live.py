@@ -219,3 +219,32 @@ def test_a_persistently_slow_group_is_evicted_and_the_others_finish(tmp_path, mi
     assert events(run_dir, 0, "end")[0]["steps"] == 120 and not events(run_dir, 1, "end")
     later = [e["participants"] for e in events(run_dir, 0, "live_quorum") if e["step"] > evicted[0]["step"]]
     assert later and later[-1] == 2  # it left; the two others went on
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_live_launcher_checkpoints_every_group_at_one_step_and_the_same_command_resumes(
+        tmp_path, micro_dataset):
+    run_dir = tmp_path / "run"
+    cmd = live_command(run_dir, micro_dataset, 3, "parallel.dp_replicate=3", "fault.exact=true", "train.steps=400")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    try:
+        _wait_for(lambda: len(_steps(run_dir, 0)) >= 30, 120, "step 30")
+        proc.send_signal(signal.SIGTERM)  # the launcher alone, as a scheduler's notice would reach it
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    stopped = json.loads((run_dir / "preempted.json").read_text())
+    assert 30 <= stopped["step"] < 400 and f"stopped after step {stopped['step']}" in out
+    last = {g: _steps(run_dir, g)[-1]["step"] for g in range(3)}
+    assert set(last.values()) == {stopped["step"]}, last  # every group stopped after the same step
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    for g in range(3):
+        starts = [e["step"] for e in events(run_dir, g, "start")]
+        assert starts[-1] == stopped["step"] or events(run_dir, g, "live_heal"), (g, starts)
+        assert _steps(run_dir, g)[-1]["step"] == 400
+    assert not (run_dir / "preempted.json").exists()

@@ -3,8 +3,8 @@
 Each group (parallel.dp_shard x parallel.tp processes) is an elastic agent of its own: when one of its
 processes dies, torchrun restarts that group alone (`--max-restarts` counts per group) while the
 others keep stepping. `fault.spares` more groups start beside them. The launcher forwards a stop
-signal (SIGTERM, SIGUSR1) to every group as SIGUSR1: the groups agree on the step to stop after, the
-quorum's first group checkpoints, and all exit 0.
+signal (SIGTERM, SIGUSR1) to every group's processes as SIGUSR1: the groups agree on the step to stop
+after, the quorum's first group checkpoints, and all exit 0.
 """
 from __future__ import annotations
 
@@ -84,9 +84,7 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
 
     def forward(signum, frame):
         stopping.append(signum)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGUSR1)
+        stop_workers(procs)
 
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
@@ -96,6 +94,23 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
             signal.signal(sig, handler)
         lighthouse.shutdown()
     return _outcome(codes, layout, stopping, run_dir, started, max_restarts)
+
+
+def stop_workers(agents: list[subprocess.Popen]) -> None:
+    """SIGUSR1 to every group's training processes (the agents' children), not to the agents: an agent
+    given a signal ends its workers itself, without waiting for the step they agree to stop after."""
+    import psutil
+
+    for agent in agents:
+        try:
+            workers = psutil.Process(agent.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for worker in workers:
+            try:
+                worker.send_signal(signal.SIGUSR1)
+            except psutil.NoSuchProcess:
+                pass
 
 
 def _outcome(codes: list[int], layout: LiveLayout, stopping: list, run_dir: Path, started: float,
