@@ -90,14 +90,8 @@ def kill_measures(variant: str, run_dir: Path) -> list[dict]:
     out = []
     victims = (1, 2, 0)
     for step, victim in zip(KILL_STEPS, victims):
-        if variant == "restart":  # from the step before the kill to the first step after it, both first logged
-            first: dict[int, float] = {}
-            for r in records(run_dir / "metrics.jsonl"):
-                if r["event"] == "step":
-                    first.setdefault(r["step"], r["time"])
-            if step in first and step + 1 in first:
-                out.append({"step": step, "recovery_s": first[step + 1] - first[step]})
-            continue
+        if variant == "restart":
+            continue  # restart_measures: the kills are read from the restarts
         # a group that stepped through it (another may itself be restarting)
         steps = next((s for s in (step_times(run_dir, g) for g in (0, 1, 2, 3) if g != victim)
                       if step in s and step + 1 in s), None)
@@ -113,6 +107,22 @@ def kill_measures(variant: str, run_dir: Path) -> list[dict]:
             if first is not None and first in spare:
                 m["spare_first_commit_s"] = spare[first]["time"] - steps[step]["time"]
         out.append(m)
+    return out
+
+
+def restart_measures(run_dir: Path) -> list[dict]:
+    """Checkpoint-restart: per restart, the last step logged before it to the first after it (the steps
+    redone from the checkpoint come on top, in the wall time)."""
+    out, last, pending = [], None, None
+    for r in records(run_dir / "metrics.jsonl"):
+        if r["event"] == "start" and last is not None:
+            pending = last
+        elif r["event"] == "step":
+            if pending is not None:
+                out.append({"step": pending["step"], "recovery_s": r["time"] - pending["time"],
+                            "redone_steps": pending["step"] - r["step"] + 1})
+                pending = None
+            last = r
     return out
 
 
@@ -140,7 +150,9 @@ def main() -> None:
         for variant in variants:  # alternating: every variant sees the machine in the same states
             run_dir = root / f"{variant}-{rep}"
             wall = run(variant, run_dir, data)
-            entry = {"wall_s": wall, "kills": kill_measures(variant, run_dir) if variant != "clean" else []}
+            kills = restart_measures(run_dir) if variant == "restart" else \
+                kill_measures(variant, run_dir) if variant != "clean" else []
+            entry = {"wall_s": wall, "kills": kills}
             clean = root / f"clean-{rep}" / final
             if variant in ("live", "spare") and clean.exists():  # the exact-mode variants
                 entry["bitwise_equal_to_clean"] = same_model(clean, run_dir / final)
