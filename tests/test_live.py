@@ -78,6 +78,10 @@ def test_live_options_are_checked_before_any_process_starts(tmp_path, micro_data
                                        "parallel.dp_shard=2"), capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2 and "needs parallel.dp_replicate >= 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = subprocess.run(live_command(tmp_path / "run", micro_dataset, 2, "parallel.dp_replicate=2",
+                                       "checkpoint.memory_interval=5"), capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 2 and "checkpoint.memory_interval is for restart recovery" in proc.stderr
 
 
 @pytest.mark.timeout(500)

@@ -131,7 +131,7 @@ def run_launch(args) -> int:
 
 
 def launch_live(args, cfg, train_args: list[str], run_dir: Path) -> int:
-    from hardy.ops.live_launch import LiveLayout, run_live
+    from hardy.fault.live_launch import LiveLayout, run_live
     from hardy.parallel.distributed import DistEnv
     from hardy.train.setup import prepare_dataset
 

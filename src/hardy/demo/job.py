@@ -21,7 +21,7 @@ from hardy.compress.kernel_rate import measure_quant_gemv
 from hardy.compress.pipeline import CompressConfig, calibration_windows, compress_model
 from hardy.compress.store import save_compressed
 from hardy.data.prepare import PrepareReport, load_split, prepare
-from hardy.demo.events import RunWatcher
+from hardy.demo.events import Incident, RunWatcher
 from hardy.errors import HardyError
 from hardy.eval.compare import measure_speed, quality, size_on_disk
 from hardy.fault.goodput import account
@@ -244,8 +244,6 @@ class Demo:
                 f"above: {live['restart_recovery_s'] or float('nan'):.1f} s); {healed}")
 
     def _incidents(self):
-        from hardy.demo.events import Incident
-
         return [Incident(**i) for i in self.results.get("train", {}).get("incidents", [])]
 
     def evaluate(self) -> str:

@@ -151,6 +151,8 @@ class CheckpointSection:
     resume: str = "auto"  # auto | never | a checkpoint directory
     at_end: bool = True
     async_save: bool = False  # overlap the write with training (DCP async_save)
+    # every N steps each process's state in /dev/shm and a copy on the next node: a restart reads RAM (0 = off)
+    memory_interval: int = 0
     device_mtbf_hours: float = 50700.0  # per device; job MTBF = this / world size (Llama 3 figure)
 
     def __post_init__(self):
@@ -158,6 +160,7 @@ class CheckpointSection:
         _check(ok, f"checkpoint.interval must be a number of steps >= 0 or \"auto\" (got {self.interval!r})")
         _check(self.interval_seconds >= 0, "checkpoint.interval_seconds must be >= 0")
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1 (got {self.keep})")
+        _check(self.memory_interval >= 0, f"checkpoint.memory_interval must be >= 0 (got {self.memory_interval})")
         _check(self.device_mtbf_hours > 0, "checkpoint.device_mtbf_hours must be > 0")
 
 

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from hardy.errors import HardyError
 from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, GroupStragglers, LiveReplica, StepPlan, combine_slot_rows,
@@ -27,6 +26,7 @@ from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
 from hardy.parallel.grads import grad_sq_norm, scale_grads
 from hardy.parallel.parallelize import autocast_context, grad_sync_context
+from hardy.train.local_state import load_local_state, local, local_state
 from hardy.train.trainer import Trainer, train
 
 LIVE_STOP_SIGNALS = (signal.SIGUSR1,)  # SIGTERM stays fatal: torchrun's agent ends a failed group's workers with it
@@ -40,10 +40,6 @@ def group_dir(run_dir: Path, group: int) -> Path:
     return Path(run_dir) / f"replica_{group}"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class LiveTrainer(Trainer):
     def __init__(self, cfg, run_dir, watchdog, stop=None, shared_dir=None):
         self.group, self.groups = int(os.environ[ENV_GROUP]), int(os.environ[ENV_GROUPS])
@@ -51,7 +47,7 @@ class LiveTrainer(Trainer):
             raise HardyError("fault.recovery = live trains in fp32 or bf16 (fp16's loss scale is per group)")
         super().__init__(cfg, run_dir, watchdog, stop, shared_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.numel = sum(_local(p).numel() for p in self.params)
+        self.numel = sum(local(p).numel() for p in self.params)
         f = cfg.fault
         self.warm_up()
         self.replica = LiveReplica(self.group, self.groups, self.env.rank, self.env.world_size, f.exact,
@@ -107,37 +103,10 @@ class LiveTrainer(Trainer):
     # --- state a replacement takes from a live peer ------------------------------------------------
 
     def live_state(self) -> dict:
-        optim = {}
-        for i, p in enumerate(self.params):
-            if p in self.optimizer.state:
-                optim[str(i)] = {k: _local(v) if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return {"model": [_local(p.detach()) for p in self.params], "optim": optim, "optim_groups": groups,
-                "trainer": {"step": self.step, "skipped": self.skipped, "position": self.loader.position(),
-                            "scheduler": self.scheduler.state_dict(), "spikes": self.spikes.state_dict()}}
+        return local_state(self)
 
     def load_live_state(self, state: dict) -> None:
-        if state["optim"] and not self.optimizer.state:  # a fresh optimizer creates its state on first step
-            for p in self.params:
-                p.grad = torch.zeros_like(p)
-            self.optimizer.step()  # its effect on the weights is overwritten below
-            self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, value in zip(self.params, state["model"]):
-                _local(p).copy_(value)
-            for i, p in enumerate(self.params):
-                for k, v in state["optim"].get(str(i), {}).items():
-                    if torch.is_tensor(v):
-                        _local(self.optimizer.state[p][k]).copy_(v)
-                    else:
-                        self.optimizer.state[p][k] = v
-        for group, saved in zip(self.optimizer.param_groups, state["optim_groups"]):
-            group.update(saved)  # the learning rate the schedule set: not in the scheduler's state
-        t = state["trainer"]
-        self.step, self.skipped = int(t["step"]), int(t["skipped"])
-        self.scheduler.load_state_dict(t["scheduler"])
-        self.spikes.load_state_dict(t["spikes"])
-        self.loader.seek(int(t["position"]))
+        load_local_state(self, state)
 
     def maybe_resume(self) -> Path | None:
         """Join the quorum first: a live peer ahead of us heals us. Only with none ahead (the whole job
@@ -239,7 +208,7 @@ class LiveTrainer(Trainer):
                     (loss / accum).backward()
                 loss_sum += loss.detach().float()
             row = buffer[slot if cfg.fault.exact else 0]
-            torch.cat([_local(p.grad).reshape(-1) for p in self.params], out=row[:n])
+            torch.cat([local(p.grad).reshape(-1) for p in self.params], out=row[:n])
             row[n] = loss_sum / accum
             row[n + 1] = (~torch.isfinite(loss_sum)).float()
             self.optimizer.zero_grad(set_to_none=True)
@@ -255,9 +224,9 @@ class LiveTrainer(Trainer):
         offset = 0
         for p in self.params:
             p.grad = torch.zeros_like(p)
-            local = _local(p.grad)
-            local.copy_(grads[offset:offset + local.numel()].view_as(local))
-            offset += local.numel()
+            shard = local(p.grad)
+            shard.copy_(grads[offset:offset + shard.numel()].view_as(shard))
+            offset += shard.numel()
         extras = torch.cat([torch.stack([buffer[:, n].sum(), buffer[:, n + 1].sum(), buffer[:, n + 2].sum()]),
                             buffer[0, n + 3:]]).double()
         summed = D.all_reduce_sum(extras)  # over the group's processes: every process of every group sees the same

@@ -51,6 +51,7 @@ from hardy.train.hooks import StepHooks
 from hardy.train.metrics import MetricsLogger
 from hardy.train.precision import load_scaler_state, make_grad_scaler, quiet_unscale, scale_tensor
 from hardy.train.setup import make_optimizer, prepare_dataset, resolve_model_config
+from hardy.train.snapshots import make_snapshots, restore_snapshot, take_snapshot
 from hardy.train.timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class Trainer:
         self.sample_log = (open(self.run_dir / f"sample_ids_rank{self.env.rank}.jsonl", "a")
                            if cfg.log.sample_ids else None)
         self.ckpt = CheckpointManager(self.shared_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
+        self.snapshots = make_snapshots(self)
         self.step = 0
         self.skipped = 0
         self.rollbacks = 0
@@ -287,6 +289,11 @@ class Trainer:
         explicit = None if mode == "auto" else Path(mode)
         if explicit is not None and not explicit.is_dir():
             raise HardyError(f"checkpoint.resume: {explicit} is not a checkpoint directory")
+        if explicit is None and self.snapshots is not None:
+            step = restore_snapshot(self)
+            if step is not None:
+                self.resharded = " (its in-memory snapshot in /dev/shm: no shared storage read)"
+                return self.snapshots.own / f"step_{step:08d}"
         path = self.ckpt.find_resumable(explicit)
         if path is None:
             return None
@@ -503,6 +510,10 @@ class Trainer:
                         last_ckpt = str(path)
                         logger.event("checkpoint", step=self.step, path=str(path), stall_s=stall)
                     watchdog.beat()
+                if self.snapshots and not m["stop"] and self.step % cfg.checkpoint.memory_interval == 0:
+                    snap = take_snapshot(self)
+                    logger.event("snapshot", **snap)
+                    stall += snap["stall_s"]
                 m["ckpt_stall_s"] = stall + completion + m["ckpt_wait_s"]
                 m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / peak) if peak else None
                 m["peak_mem_bytes"] = self.memory.peak_bytes()
@@ -532,6 +543,8 @@ class Trainer:
                 write_json_atomic(self.run_dir / "summary.json", {**summary.__dict__, "goodput": goodput})
                 if not stopped:
                     clear_preemption(self.shared_dir)
+            if self.snapshots is not None and not stopped:
+                self.snapshots.discard()
             return summary
         finally:
             watchdog.stop()

@@ -33,6 +33,9 @@ class LiveLayout:
     @classmethod
     def build(cls, nproc: int, cfg) -> "LiveLayout":
         p = cfg.parallel
+        if cfg.checkpoint.memory_interval:
+            raise HardyError("checkpoint.memory_interval is for restart recovery: under live recovery a group "
+                             "heals from a live peer")
         dims = ParallelDims.build(nproc, p.dp_replicate, p.dp_shard, p.tp)
         if dims.dp_replicate < 2:
             raise HardyError("fault.recovery = live needs parallel.dp_replicate >= 2 replica groups "
@@ -59,7 +62,7 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
     stopped on a signal with a checkpoint)."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-quorum INFO lines (read at import), here and in every group
     require_torchft()
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # start-up time: the launcher of a live run only
 
     f = cfg.fault
     # a dead or stopped group stops heartbeating and is out after heartbeat_timeout_ms; one that is alive but
@@ -99,7 +102,7 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
 def stop_workers(agents: list[subprocess.Popen]) -> None:
     """SIGUSR1 to every group's training processes (the agents' children), not to the agents: an agent
     given a signal ends its workers itself, without waiting for the step they agree to stop after."""
-    import psutil
+    import psutil  # start-up time: only a stopping launcher needs it
 
     for agent in agents:
         try:
