@@ -86,8 +86,8 @@ def test_live_options_are_checked_before_any_process_starts(tmp_path, micro_data
 
 @pytest.mark.timeout(500)
 def test_exact_mode_through_kills_and_a_whole_job_failure_equals_the_fault_free_run_bitwise(tmp_path, micro_dataset):
-    sets = ["parallel.dp_replicate=3", "fault.exact=true", "train.steps=200"]
-    final = "checkpoints/step_00000200"
+    sets = ["parallel.dp_replicate=3", "fault.exact=true", "train.steps=400"]  # long enough for both to return
+    final = "checkpoints/step_00000400"
     run_live(tmp_path / "clean", micro_dataset, 3, *sets)
     assert len(events(tmp_path / "clean", 0, "live_quorum")) == 1  # no churn: one quorum, all three groups
 

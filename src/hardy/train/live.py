@@ -153,7 +153,10 @@ class LiveTrainer(Trainer):
             self.report_quorum(plan)
             buffer, stop = self.compute(plan)
             t_reduce = time.perf_counter()
-            committed = self.replica.all_reduce(buffer) and self.replica.commit()
+            reduced = self.replica.all_reduce(buffer)
+            # should_commit every time, whatever the all-reduce did: the group's processes agree in it, and a
+            # failure it counts makes the lighthouse start a new quorum (a fresh process group)
+            committed = self.replica.commit() and reduced
             waited += time.perf_counter() - t_reduce
             if committed:
                 break
