@@ -266,3 +266,42 @@ def test_the_loader_reads_samples_without_holding_the_split(tmp_path):
     for _ in range(2000):  # 16,000 samples of 2 KB from a 256 MB split: 32 MB read, pages all over it
         loader.next_rows()
     assert psutil.Process().memory_info().rss - before < 24 << 20
+
+
+def test_the_compact_lsh_index_decides_as_datasketchs_own_storage_in_a_fraction_of_its_memory():
+    import random
+    import tracemalloc
+    import zlib
+
+    import numpy as np
+    from datasketch import MinHash, MinHashLSH
+
+    from hardy.data.dedup import NearDuplicateIndex, shingles
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(3000)]
+    docs = [" ".join(rng.choice(words) for _ in range(80)) for _ in range(1500)]
+    for i in range(0, 1500, 10):  # near copies: a few words replaced (Jaccard ~0.85-0.95), and exact ones
+        w = docs[i].split()
+        docs.append(" ".join(w[:-2] + ["x1", "x2"]) if i % 20 else docs[i])
+    rng.shuffle(docs)
+
+    reference = MinHashLSH(threshold=0.8, num_perm=128)  # datasketch's dict-of-sets storage
+    signatures, expected = [], []
+    for doc in docs:
+        m = MinHash(num_perm=128, seed=0, hashfunc=zlib.crc32)
+        m.update_batch(shingles(doc))
+        dup = any(np.count_nonzero(signatures[j] == m.hashvalues) >= 0.8 * 128 for j in reference.query(m))
+        expected.append(dup)
+        if not dup:
+            reference.insert(len(signatures), m, check_duplication=False)
+            signatures.append(m.hashvalues)
+    index = NearDuplicateIndex()
+    tracemalloc.start()
+    got = [index.is_duplicate_or_add(doc) for doc in docs]
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    index.close()
+    assert got == expected and 100 <= sum(got) <= 150  # the same documents dropped, the planted copies
+    kept = len(docs) - sum(got)
+    assert held / kept < 800, held / kept  # bytes per kept document (datasketch's own storage: ~3,400)

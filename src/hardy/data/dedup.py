@@ -3,7 +3,8 @@
 Exact: documents equal after lower-casing and whitespace collapsing (a 16-byte digest per kept document).
 Near: datasketch MinHash signatures over word 5-gram shingles in a datasketch MinHashLSH index, whose
 candidates are then compared by their signatures' estimated Jaccard similarity (default: drop when
->= 0.8). The signatures live in a file-backed array, not in memory. The first occurrence is kept.
+>= 0.8). The signatures live in a scratch file, read and written with pread/pwrite (never mapped, so
+they take page cache, not the process's memory). The first occurrence is kept.
 The index's buckets are numpy hash tables (a 64-bit band hash and a document number per slot: ~0.2 KB
 per document) in place of datasketch's dict-of-sets storage (~3.4 KB per document): memory grows with
 the corpus either way, 16x slower here.
@@ -11,6 +12,7 @@ the corpus either way, 16x slower here.
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 import zlib
 from pathlib import Path
@@ -48,7 +50,7 @@ class BandBuckets:
 
     def __init__(self, capacity: int = 1024):
         self._keys = np.zeros(capacity, dtype=np.uint64)  # 0: an empty slot (a hash of 0 is stored as 1)
-        self._docs = np.zeros(capacity, dtype=np.int64)
+        self._docs = np.zeros(capacity, dtype=np.int32)
         self._more: dict[int, list[int]] = {}
         self._count = 0
 
@@ -84,7 +86,7 @@ class BandBuckets:
         keys, docs = self._keys, self._docs
         used = keys != 0
         self._keys = np.zeros(2 * len(keys), dtype=np.uint64)
-        self._docs = np.zeros(2 * len(keys), dtype=np.int64)
+        self._docs = np.zeros(2 * len(keys), dtype=np.int32)
         for key, doc in zip(keys[used].tolist(), docs[used].tolist()):
             slot = self._slot(key)
             self._keys[slot], self._docs[slot] = key, doc
@@ -117,35 +119,27 @@ class NearDuplicateIndex:
         self.lsh.hashtables = [BandBuckets() for _ in range(self.lsh.b)]
         self.lsh.keys = _NoKeys()
         self._scratch = tempfile.TemporaryDirectory(dir=scratch, prefix=".dedup-")
-        self._capacity, self._count = 0, 0
-        self._signatures = None
-        self._grow()
+        # crc32 hashing keeps every MinHash value below 2**32 (datasketch masks them to 32 bits): uint32 is exact
+        self._row = num_perm * 4
+        self._fd = os.open(Path(self._scratch.name) / "signatures.u32", os.O_RDWR | os.O_CREAT, 0o600)
+        self._count = 0
 
-    def _grow(self) -> None:
-        """The kept documents' signatures: a file-backed array that doubles when full."""
-        capacity = max(1024, 2 * self._capacity)
-        path = Path(self._scratch.name) / f"signatures_{capacity}.u64"
-        grown = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint64, shape=(capacity, self.num_perm))
-        if self._signatures is not None:
-            grown[:self._count] = self._signatures[:self._count]
-            old = Path(self._signatures.filename)
-            del self._signatures
-            old.unlink()
-        self._signatures, self._capacity = grown, capacity
+    def _signature(self, j: int) -> np.ndarray:
+        return np.frombuffer(os.pread(self._fd, self._row, j * self._row), dtype=np.uint32)
 
     def is_duplicate_or_add(self, doc: str) -> bool:
         m = MinHash(num_perm=self.num_perm, seed=self.seed, hashfunc=zlib.crc32)  # 32-bit, ~7x sha1's speed
         m.update_batch(shingles(doc, self.ngram))
         for j in self.lsh.query(m):
-            if np.count_nonzero(self._signatures[j] == m.hashvalues) >= self.threshold * self.num_perm:
+            if np.count_nonzero(self._signature(j) == m.hashvalues) >= self.threshold * self.num_perm:
                 return True
-        if self._count == self._capacity:
-            self._grow()
-        self._signatures[self._count] = m.hashvalues
+        os.pwrite(self._fd, m.hashvalues.astype(np.uint32).tobytes(), self._count * self._row)
         self.lsh.insert(self._count, m, check_duplication=False)
         self._count += 1
         return False
 
     def close(self) -> None:
-        self._signatures = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._scratch.cleanup()
