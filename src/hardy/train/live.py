@@ -151,7 +151,7 @@ class LiveTrainer(Trainer):
                 self.note("live_heal", f"replica group {self.group} healed from a live peer at step {self.step}",
                           step=self.step)
             self.report_quorum(plan)
-            buffer, stop = self.compute(plan)
+            buffer = self.compute(plan)
             t_reduce = time.perf_counter()
             reduced = self.replica.all_reduce(buffer)
             # should_commit every time, whatever the all-reduce did: the group's processes agree in it, and a
@@ -189,9 +189,10 @@ class LiveTrainer(Trainer):
                                  f"({self.groups} computing{f', {spares} spare' if spares else ''}): {how}",
                   step=self.step + 1, participants=plan.participants, slots=list(plan.computed))
 
-    def compute(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
+    def compute(self, plan: StepPlan) -> torch.Tensor:
         """Forward and backward for this group's slots; returns the buffer the groups sum: per row, the
-        flat local gradient shard, then the row's loss and non-finite count; the stop flag in row 0."""
+        flat local gradient shard, then the row's loss and non-finite count; in row 0, the stop flag and each
+        group's busy time of the previous step (its own column)."""
         cfg, device, accum = self.cfg, self.env.device, self.cfg.train.grad_accum
         rows = self.groups if cfg.fault.exact else 1
         n = self.numel
@@ -217,7 +218,7 @@ class LiveTrainer(Trainer):
             self.optimizer.zero_grad(set_to_none=True)
         buffer[0, n + 2] = float(self.stop.requested)
         buffer[0, n + 3 + self.group] = self.busy_s  # the previous step's: this one is not over
-        return buffer, float(self.stop.requested)
+        return buffer
 
     def apply(self, plan: StepPlan, buffer: torch.Tensor) -> dict:
         """The committed step: the mean gradient of the computed slots, then the Trainer's decisions."""
