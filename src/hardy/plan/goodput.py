@@ -63,10 +63,10 @@ class Recovery:
     restart_s: float = 300.0  # whole-job restart at scale: the planner's default; restart ~ Llama 3's 90% at 16K
     checkpoint_stall_s: float = 30.0  # training stopped per checkpoint (restart mode)
     node_replace_s: float = 1800.0  # a faulty node swapped for one from the cluster's pool (an assumption)
-    survivor_stall_s: float = 1.0  # torchft on CPU/gloo here, 1 s heartbeat: survivors' stall (issue 39)
+    survivor_stall_s: float = 0.3  # hardy's live recovery here (bench/live_bench.py): the survivors' stall
     group_restart_s: float = 4.6  # torchft here: a replacement process to its first quorum (issue 39)
     heal_s: float = 0.2  # torchft here: state fetched from a live peer (issue 39)
-    spare_join_s: float = 1.5  # a warm spare's first committed step after the kill (issue 39's goal)
+    spare_join_s: float = 0.4  # hardy here: a warm spare's first committed step after the kill (live_bench.py)
     spares: int = 2  # warm spare groups (live+spares)
     live_checkpoint_s: float = 3600.0  # live modes still checkpoint, for whole-cluster failures
 
