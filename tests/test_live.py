@@ -229,7 +229,7 @@ def test_a_persistently_slow_group_is_evicted_and_the_others_finish(tmp_path, mi
 def test_sigterm_to_the_live_launcher_checkpoints_every_group_at_one_step_and_the_same_command_resumes(
         tmp_path, micro_dataset):
     run_dir = tmp_path / "run"
-    cmd = live_command(run_dir, micro_dataset, 3, "parallel.dp_replicate=3", "fault.exact=true", "train.steps=400")
+    cmd = live_command(run_dir, micro_dataset, 3, "parallel.dp_replicate=3", "fault.exact=true", "train.steps=150")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     try:
@@ -241,7 +241,7 @@ def test_sigterm_to_the_live_launcher_checkpoints_every_group_at_one_step_and_th
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
     stopped = json.loads((run_dir / "preempted.json").read_text())
-    assert 30 <= stopped["step"] < 400 and f"stopped after step {stopped['step']}" in out
+    assert 30 <= stopped["step"] < 150 and f"stopped after step {stopped['step']}" in out
     last = {g: _steps(run_dir, g)[-1]["step"] for g in range(3)}
     assert set(last.values()) == {stopped["step"]}, last  # every group stopped after the same step
 
@@ -250,5 +250,16 @@ def test_sigterm_to_the_live_launcher_checkpoints_every_group_at_one_step_and_th
     for g in range(3):
         starts = [e["step"] for e in events(run_dir, g, "start")]
         assert starts[-1] == stopped["step"] or events(run_dir, g, "live_heal"), (g, starts)
-        assert _steps(run_dir, g)[-1]["step"] == 400
+        assert _steps(run_dir, g)[-1]["step"] == 150
     assert not (run_dir / "preempted.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_random_kills_strike_any_group_and_it_heals(tmp_path, micro_dataset):
+    # seed 286 at rate 0.005 draws one kill in 800 steps: after step 40, global rank 2 (group 2 here)
+    run_dir = tmp_path / "run"
+    out = run_live(run_dir, micro_dataset, 3, "parallel.dp_replicate=3", "train.steps=800",
+                   "fault.random_kill_rate=0.005", "fault.random_seed=286")
+    assert json.loads((run_dir / "replica_2" / "faults_fired.json").read_text()) == ["random_kill@40"]
+    assert events(run_dir, 2, "live_heal") and not (run_dir / "replica_0" / "faults_fired.json").exists()
+    assert events(run_dir, 0, "end")[0]["steps"] == 800, out[-3000:]

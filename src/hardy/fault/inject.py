@@ -83,7 +83,11 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 class FaultInjector:
-    def __init__(self, spec: str, run_dir: Path, rank: int, random_kill_rate: float = 0.0, random_seed: int = 0):
+    def __init__(self, spec: str, run_dir: Path, rank: int, random_kill_rate: float = 0.0, random_seed: int = 0,
+                 victims: int = 1):
+        """`victims`: the ranks a random kill may strike, 0..victims-1 (restart recovery: rank 0, which takes
+        the whole job down anyway; live recovery: any process of any group)."""
+        self.victims = victims
         self.faults = parse_faults(spec)
         self.rank, self.run_dir = rank, Path(run_dir)
         self.random_kill_rate, self.random_seed = random_kill_rate, random_seed
@@ -123,10 +127,11 @@ class FaultInjector:
         return False
 
     def random_kill_due(self, step: int) -> bool:
-        if self.random_kill_rate <= 0 or self.rank != 0:
+        if self.random_kill_rate <= 0:
             return False
-        draw = random.Random(f"{self.random_seed}:{step}").random()
-        return draw < self.random_kill_rate and self._claim(f"random_kill@{step}")
+        rng = random.Random(f"{self.random_seed}:{step}")
+        draw, victim = rng.random(), rng.randrange(self.victims)
+        return victim == self.rank and draw < self.random_kill_rate and self._claim(f"random_kill@{step}")
 
     # The trainer's step hooks (hardy.train.hooks.StepHooks): injection acts around the step, never in it.
 

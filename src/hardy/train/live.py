@@ -87,6 +87,9 @@ class LiveTrainer(Trainer):
     def job_rank(self) -> int:
         return self.group * self.env.world_size + self.env.rank
 
+    def random_kill_victims(self) -> int:
+        return (self.groups + self.cfg.fault.spares) * self.env.world_size  # any process of any group
+
     def make_logger(self):
         logger = super().make_logger()
         logger.prefix = f"[group {self.group}] "

@@ -161,7 +161,8 @@ class Trainer:
         self.skipped = 0
         self.rollbacks = 0
         f = cfg.fault
-        injector = FaultInjector(f.inject, self.run_dir, self.job_rank(), f.random_kill_rate, f.random_seed)
+        injector = FaultInjector(f.inject, self.run_dir, self.job_rank(), f.random_kill_rate, f.random_seed,
+                                 self.random_kill_victims())
         h = cfg.health
         self.telemetry: TelemetrySampler | None = None
         self.straggler = None
@@ -195,6 +196,9 @@ class Trainer:
     def job_rank(self) -> int:
         """The rank `fault.inject`'s @rankR names."""
         return self.env.rank
+
+    def random_kill_victims(self) -> int:
+        return 1  # rank 0: any death restarts the whole job
 
     def write_config(self) -> None:
         if self.env.is_main:
