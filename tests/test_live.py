@@ -125,7 +125,8 @@ def _worker_pid(group: int) -> int | None:
             cmd = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"HARDY_REPLICA_GROUP={group}".encode() in env and b"LOCAL_RANK=0" in env and b"torch.distributed.run" not in cmd:
+        ours = f"HARDY_REPLICA_GROUP={group}".encode() in env and b"LOCAL_RANK=0" in env
+        if ours and b"torch.distributed.run" not in cmd:
             return int(entry.name)
     return None
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hardy.errors import HardyError
-from hardy.fault.preempt import STOP_SIGNALS, preempted_since
+from hardy.fault.preempt import STOP_SIGNALS, report_stop
 from hardy.fsio import write_bytes_atomic
 from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of
 
@@ -151,13 +151,7 @@ def stopped_by_signal(sig, run_dir: Path, started: float) -> int:
     if sig not in STOP_SIGNALS:
         print(f"hardy: stopped by {name}", file=sys.stderr)
         return 1
-    record = preempted_since(run_dir, started)
-    if record is None:
-        print(f"hardy: error: stopped by {name} before the run could checkpoint", file=sys.stderr)
-        return 1
-    print(f"hardy: {name}: stopped after step {record['step']} with checkpoint {record['checkpoint']}; "
-          "the same command resumes the run")
-    return 0
+    return report_stop(name, run_dir, started)
 
 
 def write_slurm_script(args) -> int:

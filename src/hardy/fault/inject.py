@@ -26,7 +26,8 @@ import torch
 
 from hardy.errors import HardyError
 
-KINDS = ("kill", "kill_mid_step", "kill_in_ckpt", "nan", "spike", "hang", "corrupt_ckpt", "io_error", "disk_full")  # and slow
+KINDS = ("kill", "kill_mid_step", "kill_in_ckpt", "nan", "spike", "hang", "corrupt_ckpt", "io_error",
+         "disk_full")  # and slow
 CHECKPOINT_KINDS = ("kill_in_ckpt", "corrupt_ckpt", "io_error", "disk_full")  # at the first save from STEP on
 LEDGER = "faults_fired.json"
 log = logging.getLogger(__name__)

@@ -19,9 +19,8 @@ from pathlib import Path
 from hardy.errors import HardyError
 from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_START, ENV_START_COUNT, require_torchft,
                               start_lighthouse)
-from hardy.fault.preempt import STOP_SIGNALS, preempted_since
+from hardy.fault.preempt import STOP_SIGNALS, report_stop
 from hardy.parallel.dims import ParallelDims
-
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,8 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
              log_dir: str | None) -> int:
     """Start the lighthouse and every group; wait for them. 0 when a group finished the run (or all
     stopped on a signal with a checkpoint)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-quorum INFO lines (read at import), here and in every group
+    # torchft's per-quorum INFO lines (read when it is imported), here and in every group
+    os.environ.setdefault("RUST_LOG", "warn")
     require_torchft()
     from torch.distributed import TCPStore  # start-up time: the launcher of a live run only
 
@@ -96,7 +96,7 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         lighthouse.shutdown()
-    return _outcome(codes, layout, stopping, run_dir, started, max_restarts)
+    return _outcome(codes, stopping, run_dir, started, max_restarts)
 
 
 def stop_workers(agents: list[subprocess.Popen]) -> None:
@@ -116,17 +116,9 @@ def stop_workers(agents: list[subprocess.Popen]) -> None:
                 pass
 
 
-def _outcome(codes: list[int], layout: LiveLayout, stopping: list, run_dir: Path, started: float,
-             max_restarts: int) -> int:
+def _outcome(codes: list[int], stopping: list, run_dir: Path, started: float, max_restarts: int) -> int:
     if stopping:
-        name = signal.Signals(stopping[0]).name
-        record = preempted_since(run_dir, started)
-        if record is None:
-            print(f"hardy: error: stopped by {name} before the run could checkpoint", file=sys.stderr)
-            return 1
-        print(f"hardy: {name}: stopped after step {record['step']} with checkpoint {record['checkpoint']}; "
-              "the same command resumes the run")
-        return 0
+        return report_stop(signal.Signals(stopping[0]).name, run_dir, started)
     failed = [g for g, code in enumerate(codes) if code]
     for g in failed:
         print(f"hardy: replica group {g} failed after {max_restarts} restart(s) (exit {codes[g]}); "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -66,3 +67,15 @@ def preempted_since(run_dir: Path, since: float) -> dict | None:
 
 def clear_preemption(run_dir: Path) -> None:
     (Path(run_dir) / PREEMPTED).unlink(missing_ok=True)
+
+
+def report_stop(name: str, run_dir: Path, started: float) -> int:
+    """A launcher stopped by signal `name`: 0 and where it stopped if the run checkpointed after
+    `started` (a preemption done right), 1 and why not otherwise."""
+    record = preempted_since(run_dir, started)
+    if record is None:
+        print(f"hardy: error: stopped by {name} before the run could checkpoint", file=sys.stderr)
+        return 1
+    print(f"hardy: {name}: stopped after step {record['step']} with checkpoint {record['checkpoint']}; "
+          "the same command resumes the run")
+    return 0

@@ -182,7 +182,8 @@ class FaultSection:
     # parallel.dp_replicate groups form a torchft quorum every step; a failed group is left out and
     # heals from a live peer while the others go on (hardy.fault.live)
     recovery: str = "restart"
-    exact: bool = False  # live: the survivors compute a missing group's share, so the result is bitwise a fault-free run's
+    # live: the survivors compute a missing group's share, so the result is bitwise a fault-free run's
+    exact: bool = False
     spares: int = 0  # live: extra replica groups, in sync, that take a failed group's share at once
     heartbeat_timeout_ms: int = 300  # live: a group silent this long (dead, or stopped) is out of the next quorum
     join_timeout_s: float = 30.0  # live: how long a quorum waits for a group still heartbeating but late (a save)

@@ -125,7 +125,8 @@ class LiveTrainer(Trainer):
         if path is not None:
             self.replica.set_step(self.step)
             self.note("live_fallback", f"replica group {self.group}: no live peer ahead of it; resumed from "
-                                       f"checkpoint {path.name} (step {self.step})", step=self.step, checkpoint=str(path))
+                                       f"checkpoint {path.name} (step {self.step})", step=self.step,
+                      checkpoint=str(path))
         elif restarted:
             self.note("live_fallback", f"replica group {self.group} restarted with no live peer and no checkpoint: "
                                        "training starts again from step 0", step=0, checkpoint=None)
