@@ -52,6 +52,11 @@ class MemorySnapshots:
         self.source_rank = (rank - self.local_world) % world if self.peer_rank is not None else None
         self.held = self.root / f"copy_of_rank{self.source_rank}" if self.source_rank is not None else None
         self._rounds = 0
+        # the copies travel as host bytes: over gloo even where training's group is NCCL (a collective: every
+        # rank builds its snapshots at the same point)
+        self.group = None
+        if self.peer_rank is not None and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
 
     @staticmethod
     def available(base: Path = SHM) -> bool:
@@ -77,9 +82,10 @@ class MemorySnapshots:
         """Send this rank's bytes to its peer, receive its source's: sizes first, then the payloads."""
         mine = torch.tensor([len(data)], dtype=torch.int64)
         theirs = torch.zeros(1, dtype=torch.int64)
-        _exchange(mine, self.peer_rank, theirs, self.source_rank)
+        _exchange(mine, self.peer_rank, theirs, self.source_rank, self.group)
         out = torch.empty(int(theirs), dtype=torch.uint8)
-        _exchange(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.peer_rank, out, self.source_rank)
+        _exchange(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.peer_rank, out, self.source_rank,
+                  self.group)
         return out.numpy().tobytes()
 
     # --- restoring ------------------------------------------------------------------------------
@@ -108,13 +114,13 @@ class MemorySnapshots:
             holder = holder_of[r]
             if self.rank == holder:
                 payload = torch.frombuffer(bytearray(_path(self.held, common).read_bytes()), dtype=torch.uint8)
-                dist.send(torch.tensor([payload.numel()], dtype=torch.int64), r)
-                dist.send(payload, r)
+                dist.send(torch.tensor([payload.numel()], dtype=torch.int64), r, group=self.group)
+                dist.send(payload, r, group=self.group)
             elif self.rank == r:
                 size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, holder)
+                dist.recv(size, holder, group=self.group)
                 payload = torch.empty(int(size), dtype=torch.uint8)
-                dist.recv(payload, holder)
+                dist.recv(payload, holder, group=self.group)
                 _write(self.own, common, payload.numpy().tobytes())
         state = torch.load(_path(self.own, common), weights_only=True, map_location="cpu")
         return common, state
@@ -145,7 +151,7 @@ def _write(directory: Path, step: int, data: bytes) -> None:
             _path(directory, old).unlink(missing_ok=True)
 
 
-def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int) -> None:
-    ops = [dist.P2POp(dist.isend, send, to), dist.P2POp(dist.irecv, recv, source)]
+def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group) -> None:
+    ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, source, group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
