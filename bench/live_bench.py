@@ -99,12 +99,10 @@ def kill_measures(variant: str, run_dir: Path) -> list[dict]:
             continue
         median = statistics.median(r["step_time_s"] for r in steps.values())
         m = {"step": step, "survivor_stall_s": steps[step + 1]["step_time_s"] - median}
-        if variant == "spare":
+        if variant == "spare":  # the spare's first step computing a share after the kill
             spare = step_times(run_dir, 3)
-            quorums = [e for e in records(run_dir / "replica_3" / "metrics.jsonl") if e["event"] == "live_quorum"
-                       and e["step"] > step and e["participants"] == 3]
-            first = min((q["step"] for q in quorums), default=None)
-            if first is not None and first in spare:
+            first = min((s for s, r in spare.items() if s > step and r.get("own_slots")), default=None)
+            if first is not None:
                 m["spare_first_commit_s"] = spare[first]["time"] - steps[step]["time"]
         out.append(m)
     return out

@@ -272,7 +272,8 @@ class LiveTrainer(Trainer):
         return {"step": self.step, "loss": mean_loss, "grad_norm": grad_norm, "lr": lr,
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step * share / dt,
                 "step_time_s": dt, "skipped": bool(bad or spike), "loss_scale": 1.0, "ckpt_wait_s": ckpt_wait,
-                "stop": stops > 0, "participants": plan.participants, "slots": len(plan.computed)}
+                "stop": stops > 0, "participants": plan.participants, "slots": len(plan.computed),
+                "own_slots": len(plan.slots)}
 
     def watch_groups(self, busy: list[float]) -> None:
         """Per-group busy times of the previous step (every group reads the same): name a straggler group,
