@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 from native import median_ci  # noqa: E402
 
+from hardy.fault.goodput import read_events  # noqa: E402
+
 KILL_STEPS = (30, 70, 110)
 KILLS = "kill@30@rank2,kill@70@rank4,kill@110@rank0"  # groups 1, 2, 0
 BASE = ["model.preset=micro", "data.seq_len=64", "train.micro_batch=4", "train.steps=150", "optim.warmup_steps=2",
@@ -76,14 +78,10 @@ def run(variant: str, run_dir: Path, data: Path) -> float:
     return wall
 
 
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def step_times(run_dir: Path, group: int | None) -> dict[int, dict]:
     """Step number -> the last step record of that step (a restarted job logs a step again)."""
-    path = run_dir / "metrics.jsonl" if group is None else run_dir / f"replica_{group}" / "metrics.jsonl"
-    return {r["step"]: r for r in records(path) if r["event"] == "step"}
+    events = read_events(run_dir if group is None else run_dir / f"replica_{group}")
+    return {r["step"]: r for r in events if r["event"] == "step"}
 
 
 def kill_measures(variant: str, run_dir: Path) -> list[dict]:
@@ -112,7 +110,7 @@ def restart_measures(run_dir: Path) -> list[dict]:
     """Checkpoint-restart: per restart, the last step logged before it to the first after it (the steps
     redone from the checkpoint come on top, in the wall time)."""
     out, last, pending = [], None, None
-    for r in records(run_dir / "metrics.jsonl"):
+    for r in read_events(run_dir):
         if r["event"] == "start" and last is not None:
             pending = last
         elif r["event"] == "step":

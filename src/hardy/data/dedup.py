@@ -63,15 +63,19 @@ class BandBuckets:
                 return slot
             slot = (slot + 1) & mask
 
+    @staticmethod
+    def _stored(key: int) -> int:
+        return (key & 0xFFFFFFFFFFFFFFFF) or 1  # Python's signed hash as uint64; 0 marks an empty slot
+
     def get(self, key: int) -> list[int]:
-        key = (key & 0xFFFFFFFFFFFFFFFF) or 1
+        key = self._stored(key)
         slot = self._slot(key)
         if self._keys[slot] == 0:
             return []
         return [int(self._docs[slot]), *self._more.get(key, ())]
 
     def insert(self, key: int, *docs: int, buffer: bool = False) -> None:
-        key = (key & 0xFFFFFFFFFFFFFFFF) or 1
+        key = self._stored(key)
         for doc in docs:
             slot = self._slot(key)
             if self._keys[slot] == key:
@@ -90,9 +94,6 @@ class BandBuckets:
         for key, doc in zip(keys[used].tolist(), docs[used].tolist()):
             slot = self._slot(key)
             self._keys[slot], self._docs[slot] = key, doc
-
-    def nbytes(self) -> int:
-        return self._keys.nbytes + self._docs.nbytes
 
 
 class _NoKeys:

@@ -24,7 +24,7 @@ from hardy.data.prepare import PrepareReport, load_split, prepare
 from hardy.demo.events import Incident, RunWatcher
 from hardy.errors import HardyError
 from hardy.eval.compare import measure_speed, quality, size_on_disk
-from hardy.fault.goodput import account
+from hardy.fault.goodput import account, read_events
 from hardy.fsio import write_json_atomic
 from hardy.infer.generate import SamplingConfig, generate
 from hardy.loading.load import load_model, set_threads
@@ -300,15 +300,11 @@ class Demo:
 def live_recovery(live_dir: Path, kill_step: int) -> dict:
     """What the live run's metrics say about its kill: the survivor's stall (its next step's time beyond
     its median step), when the killed group healed, and the run's final loss."""
-    def records(group: int) -> list[dict]:
-        path = live_dir / f"replica_{group}" / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    survivor = records(0)
+    survivor = read_events(live_dir / "replica_0")
     steps = {r["step"]: r for r in survivor if r["event"] == "step"}
     median = sorted(r["step_time_s"] for r in steps.values())[len(steps) // 2]
     after = steps.get(kill_step + 1)
-    heals = [r for r in records(1) if r["event"] == "live_heal"]
+    heals = [r for r in read_events(live_dir / "replica_1") if r["event"] == "live_heal"]
     end = next((r for r in reversed(survivor) if r["event"] == "end"), {})
     return {"kill_step": kill_step, "stall_s": max(0.0, after["step_time_s"] - median) if after else float("nan"),
             "step_s": median, "heal_s": heals[0]["time"] - steps[kill_step]["time"] if heals and kill_step in steps

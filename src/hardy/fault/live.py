@@ -41,17 +41,11 @@ REPLICA_PREFIX = "group_"  # torchft orders participants by replica id: groups k
 log = logging.getLogger(__name__)
 
 
-def torchft_available() -> bool:
+def require_torchft() -> None:
     try:
         import torchft  # the optional `live` extra (noqa: F401)
     except ImportError:
-        return False
-    return True
-
-
-def require_torchft() -> None:
-    if not torchft_available():
-        raise HardyError("fault.recovery = live needs torchft: pip install 'hardy[live]' (torchft-nightly)")
+        raise HardyError("fault.recovery = live needs torchft: pip install 'hardy[live]' (torchft-nightly)") from None
 
 
 def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int, quorum_tick_ms: int = 20):
@@ -139,10 +133,6 @@ class LiveReplica:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL  # the optional `live` extra
 
         return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-
-    @property
-    def step(self) -> int:
-        return self.manager.current_step()
 
     def set_step(self, step: int) -> None:
         """After a checkpoint resume: the manager counts committed steps from there."""

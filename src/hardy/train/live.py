@@ -24,9 +24,9 @@ from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, GroupStragglers, LiveReplic
 from hardy.fsio import write_json_atomic
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
-from hardy.parallel.grads import grad_sq_norm, scale_grads
+from hardy.parallel.grads import grad_sq_norm
 from hardy.parallel.parallelize import autocast_context, grad_sync_context
-from hardy.train.local_state import load_local_state, local, local_state
+from hardy.train.local_state import load_local_state, local, local_state, trainable
 from hardy.train.trainer import Trainer, train
 
 LIVE_STOP_SIGNALS = (signal.SIGUSR1,)  # SIGTERM stays fatal: torchrun's agent ends a failed group's workers with it
@@ -46,7 +46,7 @@ class LiveTrainer(Trainer):
         if cfg.precision.dtype == "fp16":
             raise HardyError("fault.recovery = live trains in fp32 or bf16 (fp16's loss scale is per group)")
         super().__init__(cfg, run_dir, watchdog, stop, shared_dir)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = trainable(self.model)
         self.numel = sum(local(p).numel() for p in self.params)
         f = cfg.fault
         self.warm_up()
@@ -254,13 +254,7 @@ class LiveTrainer(Trainer):
         if bad or spike:
             self.skipped += 1
         else:
-            self.spikes.observe(mean_loss)
-            if cfg.optim.grad_clip and grad_norm > cfg.optim.grad_clip:
-                scale_grads(self.params, cfg.optim.grad_clip / (grad_norm + 1e-6))
-            t_wait = time.perf_counter()
-            self.ckpt.staged()
-            ckpt_wait = time.perf_counter() - t_wait
-            self.optimizer.step()
+            ckpt_wait = self.update_weights(self.params, mean_loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.advance_schedule()
         self.loader.consumed += cfg.train.grad_accum  # the whole global batch, computed or dropped

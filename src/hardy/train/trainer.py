@@ -400,13 +400,7 @@ class Trainer:
         if skip:
             self.skipped += 1
         else:
-            self.spikes.observe(mean_loss)
-            if cfg.optim.grad_clip and grad_norm > cfg.optim.grad_clip:
-                scale_grads(params, cfg.optim.grad_clip / (grad_norm + 1e-6))
-            t_wait = time.perf_counter()
-            self.ckpt.staged()  # an asynchronous save must finish copying before the weights change
-            ckpt_wait = time.perf_counter() - t_wait
-            self.optimizer.step()
+            ckpt_wait = self.update_weights(params, mean_loss, grad_norm)
         self.scaler.update()  # the overflow flag unscale_ found: halve the scale, or count a good step
         self.optimizer.zero_grad(set_to_none=True)
         self.advance_schedule()
@@ -417,6 +411,19 @@ class Trainer:
                 "tokens": self.step * self.tokens_per_step, "tokens_per_s": self.tokens_per_step / dt,
                 "step_time_s": dt, "skipped": bool(skip), "loss_scale": scale, "ckpt_wait_s": ckpt_wait,
                 "stop": stops > 0}
+
+    def update_weights(self, params, loss: float, grad_norm: float) -> float:
+        """A good step: into the spike window, clip by the global norm, the optimizer step. Returns the
+        seconds spent waiting for an asynchronous save to finish copying the weights first."""
+        self.spikes.observe(loss)
+        clip = self.cfg.optim.grad_clip
+        if clip and grad_norm > clip:
+            scale_grads(params, clip / (grad_norm + 1e-6))
+        t_wait = time.perf_counter()
+        self.ckpt.staged()  # an asynchronous save must finish copying before the weights change
+        ckpt_wait = time.perf_counter() - t_wait
+        self.optimizer.step()
+        return ckpt_wait
 
     def checkpoint_due(self, since_last: float, last_stall: float | None) -> bool:
         """Every N steps, every T seconds, or "auto": the Young/Daly optimum for this job's MTBF."""
