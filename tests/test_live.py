@@ -256,11 +256,29 @@ def test_sigterm_to_the_live_launcher_checkpoints_every_group_at_one_step_and_th
 
 
 @pytest.mark.timeout(300)
-def test_random_kills_strike_any_group_and_it_heals(tmp_path, micro_dataset):
-    # seed 286 at rate 0.005 draws one kill in 800 steps: after step 40, global rank 2 (group 2 here)
+def test_random_kills_strike_any_group_and_it_comes_back_from_a_live_peer_or_the_final_checkpoint(
+        tmp_path, micro_dataset):
+    # seed 2116 at rate 0.003 draws one kill in 1200 steps: after step 8, global rank 1 (group 1 here)
     run_dir = tmp_path / "run"
     out = run_live(run_dir, micro_dataset, 3, "parallel.dp_replicate=3", "train.steps=800",
-                   "fault.random_kill_rate=0.005", "fault.random_seed=286")
-    assert json.loads((run_dir / "replica_2" / "faults_fired.json").read_text()) == ["random_kill@40"]
-    assert events(run_dir, 2, "live_heal") and not (run_dir / "replica_0" / "faults_fired.json").exists()
+                   "fault.random_kill_rate=0.003", "fault.random_seed=2116")
+    assert json.loads((run_dir / "replica_1" / "faults_fired.json").read_text()) == ["random_kill@8"]
+    assert not (run_dir / "replica_0" / "faults_fired.json").exists()
+    # the restarted group heals from a live peer; only when the others finished while it restarted (a loaded
+    # machine) does it find no peer, and then it takes the final checkpoint, never step 0
+    healed, fell_back = events(run_dir, 1, "live_heal"), events(run_dir, 1, "live_fallback")
+    assert healed or [e["step"] for e in fell_back] == [800], (healed, fell_back)
+    assert not fell_back or "[group 1] nothing left to train: step 800 is the last" in out
+    assert len(events(run_dir, 1, "start")) == 2 and events(run_dir, 1, "end")[-1]["steps"] == 800
     assert events(run_dir, 0, "end")[0]["steps"] == 800, out[-3000:]
+
+
+def test_a_run_resumed_at_its_last_step_says_nothing_was_left_rather_than_a_nan_loss():
+    from hardy.train.trainer import RunSummary
+
+    done = RunSummary(steps=800, final_loss=float("nan"), tokens=0, wall_s=0.0, tokens_per_s=0.0,
+                      peak_mem_bytes=0, skipped_steps=0, checkpoint="ckpt/step_00000800")
+    assert done.lines() == ["nothing left to train: step 800 is the last", "last checkpoint: ckpt/step_00000800"]
+    trained = RunSummary(steps=10, final_loss=2.5, tokens=640, wall_s=1.0, tokens_per_s=640.0, peak_mem_bytes=2**20,
+                         skipped_steps=0, checkpoint=None)
+    assert trained.lines()[0].startswith("finished 10 steps in 1.0 s: final loss 2.5000, 640 tokens")

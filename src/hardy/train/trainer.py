@@ -70,6 +70,9 @@ class RunSummary:
     rollbacks: int = 0
 
     def lines(self) -> list[str]:
+        if self.tokens == 0:  # resumed from a checkpoint at the last step: nothing was left to train
+            return [f"nothing left to train: step {self.steps} is the last",
+                    f"last checkpoint: {self.checkpoint or 'none'}"]
         return [f"finished {self.steps} steps in {self.wall_s:.1f} s: final loss {self.final_loss:.4f}, "
                 f"{self.tokens:,} tokens ({self.tokens_per_s:,.0f} tokens/s), peak memory "
                 f"{self.peak_mem_bytes / 2**20:.1f} MiB, {self.skipped_steps} skipped step(s), "
