@@ -54,6 +54,37 @@ def test_files_no_rank_claimed_are_hashed_when_the_manifest_is_merged(tmp_path):
     verify_manifest(tmp_path)
 
 
+def test_manifests_hold_xxh3_checksums_and_older_sha256_manifests_still_verify(tmp_path):
+    import hashlib
+
+    import xxhash
+
+    payload = bytes(range(256)) * 40_000  # > one 8 MiB read block, so the checksum spans blocks
+    (tmp_path / "__0_0.distcp").write_bytes(payload)
+    write_manifest(tmp_path)
+    entry = json.loads((tmp_path / MANIFEST).read_text())["files"]["__0_0.distcp"]
+    assert entry == {"xxh3_128": xxhash.xxh3_128(payload).hexdigest(), "bytes": len(payload)}
+
+    old = {"version": 1, "files": {"__0_0.distcp": {"sha256": hashlib.sha256(payload).hexdigest(),
+                                                    "bytes": len(payload)}}}
+    (tmp_path / MANIFEST).write_text(json.dumps(old))
+    verify_manifest(tmp_path)  # a checkpoint saved before the change resumes
+    altered = bytearray(payload)
+    altered[-1] ^= 1  # same size, one bit in the last block: only the checksum can tell
+    (tmp_path / "__0_0.distcp").write_bytes(altered)
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        verify_manifest(tmp_path)
+    write_manifest(tmp_path)
+    verify_manifest(tmp_path)
+    (tmp_path / "__0_0.distcp").write_bytes(payload)
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        verify_manifest(tmp_path)
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"version": 2, "files": {"__0_0.distcp": {"bytes": len(payload)}}}))
+    with pytest.raises(CheckpointCorrupt, match="the entry of __0_0.distcp needs bytes and a checksum"):
+        verify_manifest(tmp_path)
+
+
 def test_dcp_metadata_passes_the_allow_list_and_anything_else_is_refused(tmp_path, state):
     """The metadata DCP writes for a real model + optimizer unpickles under the allow-list; a pickle
     naming any other global, or bytes that are no pickle, is a one-line HardyError."""

@@ -208,6 +208,19 @@ def test_slurm_script_finds_the_head_node_and_starts_one_launcher_per_node(tmp_p
     assert again.returncode == 0 and "requeue 4242" in (bin_dir / "scontrol.log").read_text(), again.stderr
 
 
+def test_a_live_slurm_script_keeps_the_allocation_when_a_node_fails_and_checks_its_groups_fit_the_nodes():
+    live = ["--set", "fault.recovery=live", "--set", "parallel.dp_replicate=4", "--print"]
+    proc = hardy_main("launch", "configs/tiny-cpu.toml", "--slurm", "--nodes", "2", "--nproc", "2", *live)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --no-kill" in proc.stdout and "srun --kill-on-bad-exit=0 " in proc.stdout
+    restart = hardy_main("launch", "configs/tiny-cpu.toml", "--slurm", "--nodes", "2", "--nproc", "2", "--print")
+    assert restart.returncode == 0 and "--no-kill" not in restart.stdout and "kill-on-bad-exit" not in restart.stdout
+    # 2 groups of 3 processes cannot sit on nodes of 2
+    bad = hardy_main("launch", "configs/tiny-cpu.toml", "--slurm", "--nodes", "3", "--nproc", "2", *live[:2],
+                     "--set", "parallel.dp_replicate=2", "--set", "parallel.dp_shard=3", "--print")
+    assert bad.returncode == 2 and "runs on one node: --nproc 2 must be a multiple of 3" in bad.stderr
+
+
 def test_slurm_script_refuses_what_cannot_work():
     for args, message in [(["--slurm"], "--nodes"), (["--slurm", "--nodes", "2", "--gpus-per-node", "4", "--nproc", "2"],
                                                      "one process per GPU"),

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -193,6 +194,84 @@ def test_the_documented_live_command_with_fsdp_groups_heals_both_kills_and_expor
                             cwd=REPO, timeout=120)
     assert export.returncode == 0, export.stderr
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def _since(run_dir: Path, group: int, kind: str, since: float) -> list[dict]:
+    from hardy.fault.goodput import read_events  # skips a line still being written
+
+    return [e for e in read_events(run_dir / f"replica_{group}") if e["event"] == kind and e["time"] > since]
+
+
+@pytest.mark.timeout(400)
+def test_groups_on_two_nodes_go_on_without_a_lost_node_and_heal_it_when_its_command_runs_again(
+        tmp_path, micro_dataset):
+    """Two launchers on loopback, `--nnodes 2 --node-rank R`, each node two groups of one process. Node 1
+    (launcher, agents and workers) is SIGKILLed as a lost node; node 0's groups go on in a quorum of two;
+    node 1's command run again brings its groups back, healed from a live peer; a SIGTERM to both launchers
+    then stops every group after the same step."""
+    from test_launch import free_port
+
+    run_dir, port = tmp_path / "run", free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(3)]
+
+    def node(rank: int, log) -> subprocess.Popen:
+        cmd = live_command(run_dir, micro_dataset, 2, "parallel.dp_replicate=4", "train.steps=1000000")
+        cmd += ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", str(rank)]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+
+    def log_tail(i: int) -> str:
+        return (tmp_path / f"node{i}.log").read_text()[-3000:]
+
+    nodes = [node(1, logs[1]), node(0, logs[0])]  # node 1 first: it waits for node 0's store
+    try:
+        _wait_for(lambda: len(_since(run_dir, 0, "step", 0)) >= 20 or nodes[1].poll() is not None, 180, "step 20")
+        assert nodes[1].poll() is None, log_tail(0)
+        assert _since(run_dir, 2, "step", 0) and _since(run_dir, 3, "step", 0)  # node 1's groups in the quorum
+        lost = time.time()
+        tree = psutil.Process(nodes[0].pid)
+        for p in [tree, *tree.children(recursive=True)]:
+            p.send_signal(signal.SIGKILL)
+        nodes[0].wait(timeout=30)
+        _wait_for(lambda: [e for e in _since(run_dir, 0, "live_quorum", lost) if e["participants"] == 2], 60,
+                  "a quorum of node 0's two groups")
+        nodes.append(node(1, logs[2]))  # the same command, on the node again
+        _wait_for(lambda: _since(run_dir, 2, "live_heal", lost) and _since(run_dir, 3, "live_heal", lost), 180,
+                  "node 1's groups healed")
+        _wait_for(lambda: [e for e in _since(run_dir, 0, "live_quorum", lost) if e["participants"] == 4], 60,
+                  "all four groups in the quorum again")
+        for launcher in (nodes[1], nodes[2]):
+            launcher.send_signal(signal.SIGTERM)
+        assert nodes[1].wait(timeout=180) == 0, log_tail(0)
+        assert nodes[2].wait(timeout=60) == 0, log_tail(2)
+    finally:
+        for launcher in nodes:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
+    assert "node 1 of 2 runs group(s) 2, 3 of 4 replica group(s)" in log_tail(2)
+    stopped = json.loads((run_dir / "preempted.json").read_text())
+    assert {g: _steps(run_dir, g)[-1]["step"] for g in range(4)} == dict.fromkeys(range(4), stopped["step"])
+
+
+def test_a_live_launch_on_several_nodes_checks_its_node_options(tmp_path, micro_dataset, monkeypatch, capsys):
+    cases = [(["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--node-rank", "0"], "takes a fixed --nnodes N"),
+             (["--nnodes", "2", "--node-rank", "0"], "--nnodes needs --rdzv-endpoint"),
+             (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"], "needs --node-rank 0..1"),
+             (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--node-rank", "2"], "needs --node-rank 0..1"),
+             (["--rdzv-endpoint", "127.0.0.1:1"], "go with --nnodes"),
+             (["--nnodes", "3", "--rdzv-endpoint", "127.0.0.1:1", "--node-rank", "0", "--set",
+               "parallel.dp_shard=3"],  # 2 groups of 3 on 3 nodes x 2
+              "a replica group (3 processes: dp_shard x tp) runs on one node: --nproc 2 must be a multiple of 3")]
+    from hardy.cli.main import main
+
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    for extra, message in cases:  # in this process: each is refused before any process or socket starts
+        argv = live_command(tmp_path / "run", micro_dataset, 2, "parallel.dp_replicate=2")[3:] + extra
+        assert main(argv) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "run").exists()
 
 
 def test_group_straggler_windows_name_the_slow_group_and_act_after_k_windows():

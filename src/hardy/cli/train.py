@@ -12,7 +12,7 @@ import torch
 from hardy.errors import HardyError
 from hardy.fault.preempt import STOP_SIGNALS, report_stop
 from hardy.fsio import write_bytes_atomic
-from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of
+from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of, parse_endpoint, parse_nnodes
 
 
 def register(sub) -> None:
@@ -101,7 +101,7 @@ def run_launch(args) -> int:
     for item in args.set:
         train_args += ["--set", item]
     if cfg.fault.recovery == "live":
-        return launch_live(args, cfg, train_args, Path(run_dir))
+        return launch_live(args, cfg, train_args, Path(run_dir), launch.node_rank)
     torchrun_args = get_args_parser().parse_args(launch.torchrun_args(train_args))
     for nodes in sorted(set(launch.node_counts())):  # an elastic job must be valid at either end
         dims = ParallelDims.build(args.nproc * nodes, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
@@ -130,18 +130,33 @@ def run_launch(args) -> int:
     return 0
 
 
-def launch_live(args, cfg, train_args: list[str], run_dir: Path) -> int:
+def launch_live(args, cfg, train_args: list[str], run_dir: Path, node_rank: int | None) -> int:
     from hardy.fault.live_launch import LiveLayout, run_live
     from hardy.parallel.distributed import DistEnv
     from hardy.train.setup import prepare_dataset
 
+    nodes, endpoint = 1, None
     if args.nnodes:
-        raise HardyError("fault.recovery = live runs its replica groups on this node (--nnodes is for restart "
-                         "recovery)")
-    layout = LiveLayout.build(args.nproc, cfg)
+        low, high = parse_nnodes(args.nnodes)
+        if low != high:
+            raise HardyError("fault.recovery = live takes a fixed --nnodes N: its replica groups leave and rejoin "
+                             "on their own (MIN:MAX is for restart recovery)")
+        if not args.rdzv_endpoint:
+            raise HardyError("--nnodes needs --rdzv-endpoint HOST:PORT (node 0's address, the same on every node)")
+        if node_rank is None or not 0 <= node_rank < low:
+            raise HardyError(f"live recovery on {low} nodes needs --node-rank 0..{low - 1} (0 on the endpoint's "
+                             "node; $SLURM_NODEID under srun)")
+        nodes, endpoint = low, parse_endpoint(args.rdzv_endpoint)
+    elif args.rdzv_endpoint or node_rank is not None:
+        raise HardyError("--rdzv-endpoint and --node-rank go with --nnodes (several nodes)")
+    layout = LiveLayout.build(args.nproc, cfg, nodes)
     run_dir.mkdir(parents=True, exist_ok=True)
-    prepare_dataset(cfg, run_dir, DistEnv(0, 1, 0, torch.device("cpu")))  # once, before the groups start
-    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir)
+
+    def prepare():  # once per node, before its groups start (a no-op where the run dir is shared and ready)
+        prepare_dataset(cfg, run_dir, DistEnv(0, 1, 0, torch.device("cpu")))
+
+    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir, prepare, node_rank or 0,
+                    endpoint)
 
 
 def stopped_by_signal(sig, run_dir: Path, started: float) -> int:
@@ -162,14 +177,20 @@ def write_slurm_script(args) -> int:
     if args.nnodes or args.rdzv_endpoint or args.node_rank is not None:
         raise HardyError("--slurm finds its nodes and rendezvous itself: leave out --nnodes, --rdzv-endpoint and "
                          "--node-rank")
-    load_config(args.config, args.set)  # a bad config is found now, not on the cluster
+    cfg = load_config(args.config, args.set)  # a bad config is found now, not on the cluster
+    procs = args.nproc or args.gpus_per_node or 1
+    if cfg.fault.recovery == "live":
+        from hardy.fault.live_launch import LiveLayout
+
+        LiveLayout.build(procs, cfg, args.nodes)  # and a layout whose groups do not fit the nodes
     run_dir = str(Path(args.run_dir or default_run_dir(args.config)).resolve())
     train_args = [str(Path(args.config).resolve()), "--run-dir", run_dir]
     for item in args.set:
         train_args += ["--set", item]
-    job = SlurmJob(args.nodes, args.gpus_per_node, args.nproc or args.gpus_per_node or 1, train_args, run_dir,
+    job = SlurmJob(args.nodes, args.gpus_per_node, procs, train_args, run_dir,
                    job_name=f"hardy-{Path(run_dir).name}", max_restarts=args.max_restarts, port=args.port,
-                   partition=args.partition, time_limit=args.time, python=sys.executable)
+                   partition=args.partition, time_limit=args.time, python=sys.executable,
+                   live=cfg.fault.recovery == "live")
     script = job.script()
     if args.print:
         print(script, end="")

@@ -99,6 +99,7 @@ class SlurmJob:
     time_limit: str | None = None  # Slurm's --time, e.g. 24:00:00
     cpus_per_task: int | None = None
     python: str = "python3"  # the interpreter hardy is installed in, as every node sees it
+    live: bool = False  # fault.recovery = live: a lost node's groups drop out and the others go on
 
     def script(self) -> str:
         if self.nodes < 1 or self.procs_per_node < 1 or self.gpus_per_node < 0:
@@ -118,6 +119,8 @@ class SlurmJob:
         # 120 s before the time limit (or a preemption) every process gets SIGUSR1: the run checkpoints
         # after its next step and exits 0; requeued, the job resumes from that checkpoint
         lines += ["#SBATCH --signal=USR1@120", "#SBATCH --requeue"]
+        if self.live:  # a failed node must not end the allocation, nor a failed launcher the job step
+            lines.append("#SBATCH --no-kill  # live recovery: the other nodes' replica groups go on")
         # Slurm opens the output file before the script runs: RUN_DIR must exist (`hardy launch --slurm`
         # creates it when it writes RUN_DIR/sbatch.sh)
         lines += [f"#SBATCH --output={self.run_dir}/slurm-%j.out", "", "set -euo pipefail",
@@ -135,7 +138,7 @@ class SlurmJob:
                   "# (from the newest complete checkpoint) after a failure, up to --max-restarts times"]
         launcher = [self.python, "-m", "hardy", "launch", "--nnodes", str(self.nodes), "--nproc",
                     str(self.procs_per_node)]
-        lines.append("srun " + " ".join(shlex.quote(a) for a in launcher)
+        lines.append("srun " + ("--kill-on-bad-exit=0 " if self.live else "") + " ".join(shlex.quote(a) for a in launcher)
                      + f' --rdzv-endpoint "$head_addr:{self.port}" --rdzv-id "$SLURM_JOB_ID"'
                      + f" --max-restarts {self.max_restarts} " + " ".join(shlex.quote(a) for a in self.train_args))
         preempted = shlex.quote(f"{self.run_dir}/{PREEMPTED}")
