@@ -34,6 +34,10 @@ def register(sub) -> None:
                    help="a Jinja chat template for /v1/chat/completions, instead of the model's own")
     p.add_argument("--keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open (default 5)")
+    p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
+                   help="prompt tokens prefilled between two decode steps of the running streams (chunked "
+                        "prefill). auto (default): as many as keep a step within 1.6x a plain one, so a long prompt "
+                        "coming in keeps their token gaps under 2x; N: at most N; 0: each prompt in one pass")
     add_kv_args(p)
     add_tp_args(p)
     p.set_defaults(func=run)
@@ -52,6 +56,7 @@ def run(args) -> int:
     for key in ("header_timeout", "body_timeout", "keep_alive"):
         if not getattr(args, key) > 0:
             raise HardyError(f"--{key.replace('_', '-')} must be > 0")
+    chunk = prefill_chunk(args.prefill_chunk)
     if args.chat_template:
         read_template_file(args.chat_template)  # refused before the model loads
     if args.tp > 1:
@@ -91,7 +96,7 @@ def run(args) -> int:
         runner = LeaderRunner
     print(f"hardy: {weights_line(loaded)}; {budget.line}", file=sys.stderr, flush=True)
     engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=context,
-                    runner=runner, kv_dtype=kv_dtype, capacity=budget.capacity)
+                    runner=runner, kv_dtype=kv_dtype, capacity=budget.capacity, prefill_chunk=chunk)
     failed = serve_http(args, engine, loaded.tokenizer)
     if failed:
         print(f"hardy: error: the engine failed ({failed}); stopping", file=sys.stderr, flush=True)
@@ -101,6 +106,15 @@ def run(args) -> int:
     if args.tp > 1:
         leave_together()
     return 0
+
+
+def prefill_chunk(value: str) -> int | None:
+    """--prefill-chunk: None for auto, else a token count >= 0."""
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise HardyError(f"--prefill-chunk must be auto or a number of tokens >= 0 (got {value!r})")
+    return int(value)
 
 
 def serve_http(args, engine, tokenizer) -> str | None:

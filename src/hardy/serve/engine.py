@@ -2,7 +2,10 @@
 into one forward pass (continuous batching), so concurrent clients share each read of the weights.
 
 Each request gets one of `max_batch` sequences of the paged KV cache (hardy.infer.kv): its prompt is
-prefilled alone into that sequence's blocks, then every decode step feeds one token per active sequence at
+prefilled into that sequence's blocks in chunks (`prefill_chunk`, `ChunkPolicy`): while other streams
+decode, each chunk rides along in their decode step as extra rows at consecutive positions, so a long prompt
+being admitted slows their steps a little instead of stopping them for the whole prompt (chunked prefill);
+with none decoding, it goes in by passes of its own. Every decode step feeds one token per active sequence at
 its own position (`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart), the
 blocks taken as the tokens arrive. A request leaves at a stop token or its max_tokens, its blocks go back to
 the pool and its slot takes the next waiting request — once the pool can hold all that request may grow to
@@ -94,6 +97,47 @@ class _Slot:
     request: Request
     position: int  # where the next fed token goes
     last: int  # the token to feed next
+    prefilled: int = 0  # prompt tokens in the cache so far; it decodes once all are
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt)
+
+
+RIDE_FIRST, RIDE_MIN, RIDE_MAX, IDLE_CHUNK = 2, 1, 256, 512  # prompt tokens per step or pass
+RIDE_SHARE = 0.6  # auto: a step carrying prompt rows may take this much longer than one without
+EMA = 0.3
+
+
+class ChunkPolicy:
+    """How many prompt tokens go in per engine iteration. While streams decode, the tokens ride along in
+    their decode step (extra rows: the weights are read once for both); alone, a prompt goes in by passes
+    of its own. `chunk` 0: whole prompts, each in a pass of its own; N: N tokens at most; None (auto): the
+    riding rows grow while a step carrying them stays within (1 + RIDE_SHARE) x a plain step and shrink
+    when it does not (RIDE_MIN..RIDE_MAX: what a row costs is not linear, and it grows with the position
+    it attends from), and IDLE_CHUNK per pass when nothing decodes."""
+
+    def __init__(self, chunk: int | None):
+        if chunk is not None and chunk < 0:
+            raise HardyError(f"the prefill chunk must be >= 0 tokens (got {chunk})")
+        self.fixed = chunk
+        self.step_s: float | None = None  # a decode step with no prompt rows, smoothed
+        self.ride = RIDE_FIRST
+
+    def observe_step(self, seconds: float, prompt_rows: int) -> None:
+        if not prompt_rows:
+            self.step_s = seconds if self.step_s is None else (1 - EMA) * self.step_s + EMA * seconds
+        elif self.step_s is not None:
+            if seconds <= (1 + RIDE_SHARE) * self.step_s:
+                self.ride = min(RIDE_MAX, self.ride + max(1, self.ride // 4))
+            else:
+                self.ride = max(RIDE_MIN, self.ride * 3 // 4)
+
+    def tokens(self, decoding: bool) -> int | None:
+        """This iteration's prompt tokens: riding a decode step (`decoding`) or in a pass; None: no limit."""
+        if self.fixed is not None:
+            return self.fixed or None
+        return self.ride if decoding else IDLE_CHUNK
 
 
 DEFAULT_CONTEXT = 4096  # llama-server's default too: a file's 128k maximum is not a per-request budget
@@ -134,25 +178,34 @@ class ModelRunner:
         return sum(self.promised) + -(-tokens // BLOCK) <= self.pool.capacity
 
     @torch.inference_mode()
-    def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None) -> torch.Tensor:
-        """Fill sequence `row` with `prompt` [1, L] (`budget`: the positions it may grow to); the logits
-        after its last token [V]."""
+    def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None, start: int = 0) -> torch.Tensor:
+        """Write `prompt` [1, L] into sequence `row` at positions start.. (start 0: a new sequence, which
+        may grow to `budget` positions; later chunks continue it); the logits after its last token [V]."""
         self._maybe_fail("prefill")
-        self.pool.release(row)  # a follower learns of a finished sequence here
-        self.promised[row] = -(-(budget or prompt.shape[1]) // BLOCK)
-        self.pool.reserve(row, prompt.shape[1])
+        if start == 0:
+            self.pool.release(row)  # a follower learns of a finished sequence here
+            self.promised[row] = -(-(budget or prompt.shape[1]) // BLOCK)
+        self.pool.reserve(row, start + prompt.shape[1])
         self.cache.use([row])
-        return self.model.logits(self.model.hidden_states(prompt.to(self.device), 0)[0, -1])
+        return self.model.logits(self.model.hidden_states(prompt.to(self.device), start)[0, -1])
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """One token per row (tokens [n, 1] at positions [n]) of sequences `rows`; logits [n, V]."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int],
+               want: list[int] | None = None) -> torch.Tensor:
+        """One token per row (tokens [n, 1] at positions [n]) of sequences `rows`; the logits of the batch
+        rows `want` (default all) [len(want), V]. A sequence may fill several rows (prompt tokens riding
+        along at consecutive positions): each row sees the keys up to its own position."""
         self._maybe_fail("decode")
         for row, position in zip(rows, positions.tolist()):
             self.pool.reserve(row, position + 1)
         self.cache.use(rows)
         tokens, positions = tokens.to(self.device), positions.to(self.device)
-        return self.model.logits(decode_hidden(self.model, tokens, positions)[:, -1])
+        hidden = decode_hidden(self.model, tokens, positions)[:, -1]
+        return self.model.logits(hidden if want is None else hidden[want])
+
+    def promise(self, row: int, tokens: int) -> None:
+        """Sequence `row` is admitted and may grow to `tokens` positions (what `fits` counts)."""
+        self.promised[row] = -(-tokens // BLOCK)
 
     def release(self, row: int) -> None:
         """Sequence `row` has ended: its blocks go back to the pool."""
@@ -183,8 +236,11 @@ class ModelRunner:
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
                  runner: type[ModelRunner] = ModelRunner, score_batch: int = 16,
-                 kv_dtype: torch.dtype = torch.bfloat16, capacity: int | None = None):
+                 kv_dtype: torch.dtype = torch.bfloat16, capacity: int | None = None,
+                 prefill_chunk: int | None = None):
         self.max_batch = max_batch
+        self.chunks = ChunkPolicy(prefill_chunk)
+        self.admitted: list[int] = []  # slots still prefilling, in admission order
         self.score_batch = score_batch  # scoring rows per forward pass
         self.context = context_length(model, context)
         self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -259,29 +315,56 @@ class Engine:
 
     def _free(self, slot_index: int) -> None:
         self.slots[slot_index] = None
+        if slot_index in self.admitted:  # cancelled or failed while its prompt was going in
+            self.admitted.remove(slot_index)
         self.runner.release(slot_index)
 
-    def _prefill(self, slot_index: int, req: Request) -> None:
-        if req.cancelled:
-            req.events.put(("done", "cancelled"))
-            return
-        try:
-            logits = self.runner.prefill(slot_index, torch.tensor([req.prompt]),
-                                         len(req.prompt) + req.sampling.max_new_tokens)
-        except Exception as e:  # this request fails; the others are untouched (unless the runner is fatal)
-            req.events.put(("error", f"{type(e).__name__}: {e}"))
-            self.runner.release(slot_index)
-            if self.runner.fatal:
-                raise
-            return
-        self.slots[slot_index] = _Slot(req, position=len(req.prompt), last=0)
-        token = sample(logits, req.sampling, req.generator)
-        if not self._emit(slot_index, token):
-            self.slots[slot_index].last = token
+    def _prefill_some(self) -> None:
+        """With no stream decoding: the admitted prompts, oldest first, by passes of their own."""
+        budget = self.chunks.tokens(decoding=False)
+        while self.admitted and (budget is None or budget > 0):
+            i = self._prefilling()
+            if i is None:
+                continue
+            slot = self.slots[i]
+            req = slot.request
+            n = len(req.prompt) - slot.prefilled if budget is None else min(budget, len(req.prompt) - slot.prefilled)
+            try:
+                logits = self.runner.prefill(i, torch.tensor([req.prompt[slot.prefilled:slot.prefilled + n]]),
+                                             len(req.prompt) + req.sampling.max_new_tokens, slot.prefilled)
+            except Exception as e:  # this request fails; the others are untouched (unless the runner is fatal)
+                req.events.put(("error", f"{type(e).__name__}: {e}"))
+                self._free(i)
+                if self.runner.fatal:
+                    raise
+                continue
+            budget = None if budget is None else budget - n
+            self._prefilled(i, n, logits)
+
+    def _prefilling(self) -> int | None:
+        """The oldest admitted slot still prefilling; None after ending a cancelled one."""
+        i = self.admitted[0]
+        if self.slots[i].request.cancelled:
+            self.slots[i].request.events.put(("done", "cancelled"))
+            self._free(i)
+            return None
+        return i
+
+    def _prefilled(self, i: int, n: int, logits: torch.Tensor) -> None:
+        """`n` more prompt tokens of slot `i` are in; after its last, its first token (`logits`)."""
+        slot = self.slots[i]
+        slot.prefilled += n
+        if slot.decoding:
+            self.admitted.remove(i)
+            slot.position = len(slot.request.prompt)
+            token = sample(logits, slot.request.sampling, slot.request.generator)
+            if not self._emit(i, token):
+                slot.last = token
 
     def _admit(self) -> None:
         """Waiting requests into free slots, in order, each once the KV pool can hold all it may grow to
-        (never: more than `capacity`; the server refuses such a request up front)."""
+        (never: more than `capacity`; the server refuses such a request up front). Their prompts are
+        prefilled by `_prefill_some`."""
         for i in range(self.max_batch):
             if self.slots[i] is not None:
                 continue
@@ -293,7 +376,12 @@ class Engine:
             if not self.runner.fits(len(req.prompt) + req.sampling.max_new_tokens) and any(self.slots):
                 return  # wait for running sequences to free blocks
             self._next = None
-            self._prefill(i, req)
+            if req.cancelled:
+                req.events.put(("done", "cancelled"))
+                continue
+            self.runner.promise(i, len(req.prompt) + req.sampling.max_new_tokens)
+            self.slots[i] = _Slot(req, position=0, last=0)
+            self.admitted.append(i)
 
     def _score_waiting(self) -> None:
         """Every waiting scoring request's rows, together in batches of `score_batch`."""
@@ -325,14 +413,32 @@ class Engine:
             if s is not None and s.request.cancelled:
                 s.request.events.put(("done", "cancelled"))
                 self._free(i)
-        active = [i for i, s in enumerate(self.slots) if s is not None]
+        active = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
         if not active:
             return
-        tokens = torch.tensor([[self.slots[i].last] for i in active], dtype=torch.long)
-        positions = torch.tensor([self.slots[i].position for i in active], dtype=torch.long)
-        logits = self.runner.decode(tokens, positions, active).cpu()  # one copy back per step, not one per row
+        tokens = [self.slots[i].last for i in active]
+        positions = [self.slots[i].position for i in active]
+        rows, want, riding = list(active), list(range(len(active))), None
+        while self.admitted and riding is None:  # the oldest admitted prompt's next chunk rides along
+            riding = self._prefilling()
+        if riding is not None:
+            slot, budget = self.slots[riding], self.chunks.tokens(decoding=True)
+            start = slot.prefilled
+            n = len(slot.request.prompt) - start if budget is None else min(budget, len(slot.request.prompt) - start)
+            tokens += slot.request.prompt[start:start + n]
+            positions += range(start, start + n)
+            rows += [riding] * n
+            if start + n == len(slot.request.prompt):
+                want.append(len(rows) - 1)  # its last prompt token: the logits of its first new token
+        t0 = time.perf_counter()
+        logits = self.runner.decode(torch.tensor(tokens, dtype=torch.long)[:, None],
+                                    torch.tensor(positions, dtype=torch.long), rows, want)
+        logits = logits.cpu()  # one copy back per step, not one per row
+        self.chunks.observe_step(time.perf_counter() - t0, len(rows) - len(active))
         self.largest_batch = max(self.largest_batch, len(active))
         self.steps += 1
+        if riding is not None:
+            self._prefilled(riding, len(rows) - len(active), logits[len(active)] if len(want) > len(active) else None)
         for row, i in enumerate(active):
             slot = self.slots[i]
             token = sample(logits[row], slot.request.sampling, slot.request.generator)
@@ -366,6 +472,7 @@ class Engine:
         self._drained.set()
 
     def _fail_running(self, reason: str) -> None:
+        self.admitted.clear()
         for i, s in enumerate(self.slots):
             if s is not None:
                 s.request.events.put(("error", reason))
@@ -381,8 +488,10 @@ class Engine:
             try:
                 self._score_waiting()
                 self._admit()
-                if any(s is not None for s in self.slots):
-                    self._decode_step()
+                if any(s is not None and s.decoding for s in self.slots):
+                    self._decode_step()  # the running streams' next tokens, a prompt chunk riding along
+                elif any(s is not None for s in self.slots):
+                    self._prefill_some()
                 elif self.waiting.empty() and self.scoring.empty() and self._next is None:
                     if not self._wake.wait(0.05):
                         self.runner.idle()

@@ -45,25 +45,28 @@ class LeaderRunner(ModelRunner):
         self.processes = dist.get_world_size()
         self._last = time.monotonic()
 
-    def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, tensors: tuple[torch.Tensor, ...] = ()) -> None:
-        dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.long), src=0)
+    def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
+                  tensors: tuple[torch.Tensor, ...] = ()) -> None:
+        dist.broadcast(torch.tensor([op, a, b, c, d], dtype=torch.long), src=0)
         for tensor in tensors:
             dist.broadcast(tensor.contiguous(), src=0)
         self._last = time.monotonic()
 
-    def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+    def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None, start: int = 0) -> torch.Tensor:
         try:
-            self._announce(PREFILL, row, prompt.shape[1], budget or 0, tensors=(prompt,))
-            return super().prefill(row, prompt, budget)
+            self._announce(PREFILL, row, prompt.shape[1], budget or 0, start, tensors=(prompt,))
+            return super().prefill(row, prompt, budget, start)
         except Exception:
             self.fatal = True
             raise
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int],
+               want: list[int] | None = None) -> torch.Tensor:
+        want = list(range(tokens.shape[0])) if want is None else want
         try:
-            self._announce(DECODE, tokens.shape[0],
-                           tensors=(torch.cat([tokens[:, 0], positions, torch.tensor(rows, dtype=torch.long)]),))
-            return super().decode(tokens, positions, rows)
+            self._announce(DECODE, tokens.shape[0], len(want), tensors=(
+                torch.cat([tokens[:, 0], positions, torch.tensor(rows + want, dtype=torch.long)]),))
+            return super().decode(tokens, positions, rows, want)
         except Exception:
             self.fatal = True
             raise
@@ -77,7 +80,7 @@ class LeaderRunner(ModelRunner):
                     mask: torch.Tensor) -> torch.Tensor:
         try:
             self._announce(SCORE, tokens.shape[0], tokens.shape[1], at.shape[1],
-                           (tokens, torch.stack([at, targets, mask.long()])))
+                           tensors=(tokens, torch.stack([at, targets, mask.long()])))
             return super().score_batch(tokens, at, targets, mask)
         except Exception:
             self.fatal = True
@@ -103,17 +106,17 @@ def follow(model, max_batch: int, context: int, kv_dtype: torch.dtype = torch.bf
     runner._faults = set()  # injected faults (HARDY_SERVE_FAULT) are rank 0's
     try:
         while True:
-            header = torch.empty(4, dtype=torch.long)
+            header = torch.empty(5, dtype=torch.long)
             dist.broadcast(header, src=0)
-            op, a, b, c = header.tolist()
+            op, a, b, c, d = header.tolist()
             if op == PREFILL:
                 prompt = torch.empty(1, b, dtype=torch.long)
                 dist.broadcast(prompt, src=0)
-                runner.prefill(a, prompt, c or None)
+                runner.prefill(a, prompt, c or None, d)
             elif op == DECODE:
-                flat = torch.empty(3 * a, dtype=torch.long)
+                flat = torch.empty(3 * a + b, dtype=torch.long)
                 dist.broadcast(flat, src=0)
-                runner.decode(flat[:a, None], flat[a:2 * a], flat[2 * a:].tolist())
+                runner.decode(flat[:a, None], flat[a:2 * a], flat[2 * a:3 * a].tolist(), flat[3 * a:].tolist())
             elif op == RELEASE:
                 runner.release(a)
             elif op == SCORE:
