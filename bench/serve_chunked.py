@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,23 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, median_ci  # noqa: E402
+from serve_load import start  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STREAM_PROMPTS = ["The history of the Roman Empire", "Photosynthesis is the process"]
 STREAM_TOKENS = 128
-
-
-def start(model: str, chunk: str, context: int, threads: int | None) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "hardy", "serve", "--model", model, "--port", "0", "--max-batch", "4",
-           "--context", str(context), "--max-tokens", str(context - 64), "--prefill-chunk", chunk]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    line = proc.stdout.readline()
-    if "serving" not in line:
-        raise SystemExit(f"server did not start: {line}{proc.stderr.read()}")
-    return proc, int(line.split("http://127.0.0.1:")[1].split("/")[0])
 
 
 def post(port: int, body: dict) -> dict:
@@ -103,7 +89,8 @@ def wait_for(predicate, timeout: float) -> None:
 
 
 def trial(model: str, chunk: str, long_text: str, context: int, threads: int | None) -> dict:
-    proc, port = start(model, chunk, context, threads)
+    proc, port = start(model, 4, threads, "--context", str(context), "--max-tokens", str(context - 64),
+                       "--prefill-chunk", chunk)
     try:
         post(port, {"prompt": "Hello", "max_tokens": 4, "temperature": 0})  # warm-up
         streams = [Stream(port, p) for p in STREAM_PROMPTS]

@@ -24,9 +24,10 @@ PROMPTS = ["The history of the Roman Empire", "Photosynthesis is the process", "
            "The theory of relativity"]
 
 
-def start(model: str, max_batch: int, threads: int | None) -> tuple[subprocess.Popen, int]:
+def start(model: str, max_batch: int, threads: int | None, *extra: str) -> tuple[subprocess.Popen, int]:
+    """`hardy serve` on a free port (`extra`: more of its flags); the process and its port."""
     cmd = [sys.executable, "-m", "hardy", "serve", "--model", model, "--port", "0", "--max-batch", str(max_batch),
-           "--max-queue", "256", "--context", "512"]
+           "--max-queue", "256", *extra]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -80,7 +81,7 @@ def main() -> None:
     rows = {}
     for label, batch in ((f"continuous batching (max batch {args.max_batch})", args.max_batch),
                          ("one request at a time (max batch 1)", 1)):
-        proc, port = start(args.model, batch, args.threads)
+        proc, port = start(args.model, batch, args.threads, "--context", "512")
         try:
             load(port, 1, 1, 4)  # warm-up
             rows[label] = load(port, args.clients, args.requests, args.max_tokens)

@@ -42,6 +42,15 @@ def agent(run, dataset, port: int, node_rank: int, restarts: int, log) -> subpro
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
 
 
+def end_all(launchers: list[subprocess.Popen], logs) -> None:
+    """Kill what is still running (each launcher started in a session of its own) and close the logs."""
+    for launcher in launchers:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    for log in logs:
+        log.close()
+
+
 def last_step(run) -> int:
     path = run / "metrics.jsonl"
     steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
@@ -72,11 +81,7 @@ def test_two_nodes_survive_the_loss_of_one_and_finish_bitwise_equal(tmp_path, mi
         assert agents[0].wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
         assert agents[2].wait(timeout=60) == 0, (tmp_path / "agent2.log").read_text()[-3000:]
     finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-        for log in logs:
-            log.close()
+        end_all(agents, logs)
     out = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent2.log").read_text()
     assert "resumed from step_0000000" in out
     assert_bitwise_equal(run / "checkpoints" / "step_00000012", baseline / "checkpoints" / "step_00000012")

@@ -209,7 +209,7 @@ def test_groups_on_two_nodes_go_on_without_a_lost_node_and_heal_it_when_its_comm
     (launcher, agents and workers) is SIGKILLed as a lost node; node 0's groups go on in a quorum of two;
     node 1's command run again brings its groups back, healed from a live peer; a SIGTERM to both launchers
     then stops every group after the same step."""
-    from test_launch import free_port
+    from test_launch import end_all, free_port
 
     run_dir, port = tmp_path / "run", free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -245,11 +245,7 @@ def test_groups_on_two_nodes_go_on_without_a_lost_node_and_heal_it_when_its_comm
         assert nodes[1].wait(timeout=180) == 0, log_tail(0)
         assert nodes[2].wait(timeout=60) == 0, log_tail(2)
     finally:
-        for launcher in nodes:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-        for log in logs:
-            log.close()
+        end_all(nodes, logs)
     assert "node 1 of 2 runs group(s) 2, 3 of 4 replica group(s)" in log_tail(2)
     stopped = json.loads((run_dir / "preempted.json").read_text())
     assert {g: _steps(run_dir, g)[-1]["step"] for g in range(4)} == dict.fromkeys(range(4), stopped["step"])
