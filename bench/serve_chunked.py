@@ -1,6 +1,6 @@
 """Chunked prefill under load: the token gaps of running streams while a long prompt is admitted,
-against their gaps just before it, on `hardy serve` over HTTP, with --prefill-chunk auto (the default)
-and 0 (each prompt in one pass), alternating, >= 5 repetitions.
+against their gaps just before it, on `hardy serve` over HTTP, with --prefill-chunk auto
+and 0 (the default: each prompt in one pass), alternating, >= 5 repetitions.
 
     .venv/bin/python bench/serve_chunked.py --model smollm2-135m --long-tokens 8000 --reps 5
 

@@ -143,6 +143,33 @@ def test_a_long_prompt_rides_the_running_stream_s_decode_steps_one_chunk_each(mo
     assert log[first_chunk:first_chunk + 7] == steps[:7]
 
 
+def test_a_short_prompt_does_not_wait_behind_a_long_one_and_unchunked_prompts_take_passes_of_their_own(model):
+    def run(prefill_chunk):
+        log: list = []
+        engine = Engine(model, max_batch=3, context=256, runner=recording_runner(log), prefill_chunk=prefill_chunk)
+        try:
+            running = engine.submit(Request(prompt_of(4, 0), SamplingConfig(max_new_tokens=200), set()))
+            assert running.events.get(timeout=60)[0] == "token"
+            long = engine.submit(Request(prompt_of(100, 2), SamplingConfig(max_new_tokens=3), set()))
+            short = engine.submit(Request(prompt_of(5, 3), SamplingConfig(max_new_tokens=3), set()))
+            answers = [collect(r) for r in (long, short, running)]
+        finally:
+            engine.close()
+        assert [len(tokens) for tokens, _ in answers] == [3, 3, 199]
+        return log
+
+    log = run(16)
+    steps = [e for e in log if e[0] == "decode"]
+    short_steps = [k for k, e in enumerate(steps) if 2 in e[1] and 0 in e[2][e[1].index(2):]]
+    long_last = next(k for k, e in enumerate(steps) if 1 in e[1] and 99 in e[2][e[1].index(1):])
+    assert len(short_steps) == 1 and short_steps[0] < long_last  # all 5 tokens at once, before the long one ends
+    assert steps[short_steps[0]][1].count(2) == 5 and [e for e in log if e[0] == "prefill"] == [log[0]]
+
+    log = run(0)  # unchunked: each prompt whole, in a pass of its own; decode steps carry streams only
+    assert sorted(e[1:] for e in log if e[0] == "prefill") == [(0, 0, 4), (1, 0, 100), (2, 0, 5)]
+    assert all(len(set(e[1])) == len(e[1]) for e in log if e[0] == "decode")
+
+
 def test_a_request_cancelled_while_its_prompt_goes_in_is_freed_and_the_others_go_on(model):
     holder: dict = {}
 

@@ -34,10 +34,10 @@ def register(sub) -> None:
                    help="a Jinja chat template for /v1/chat/completions, instead of the model's own")
     p.add_argument("--keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open (default 5)")
-    p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
-                   help="prompt tokens prefilled between two decode steps of the running streams (chunked "
-                        "prefill). auto (default): as many as keep a step within 1.6x a plain one, so a long prompt "
-                        "coming in keeps their token gaps under 2x; N: at most N; 0: each prompt in one pass")
+    p.add_argument("--prefill-chunk", default="0", metavar="N|auto",
+                   help="chunked prefill: prompt tokens that ride along in each decode step of the running streams. "
+                        "0 (default): each prompt in one pass of its own, which stops the streams meanwhile; auto: "
+                        "as many as keep a step within 1.6x a plain one; N: at most N (BENCHMARKS.md: what each costs)")
     add_kv_args(p)
     add_tp_args(p)
     p.set_defaults(func=run)

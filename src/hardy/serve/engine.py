@@ -2,10 +2,10 @@
 into one forward pass (continuous batching), so concurrent clients share each read of the weights.
 
 Each request gets one of `max_batch` sequences of the paged KV cache (hardy.infer.kv): its prompt is
-prefilled into that sequence's blocks in chunks (`prefill_chunk`, `ChunkPolicy`): while other streams
-decode, each chunk rides along in their decode step as extra rows at consecutive positions, so a long prompt
-being admitted slows their steps a little instead of stopping them for the whole prompt (chunked prefill);
-with none decoding, it goes in by passes of its own. Every decode step feeds one token per active sequence at
+prefilled into that sequence's blocks, whole by default, or in chunks (`prefill_chunk`, `ChunkPolicy`):
+while other streams decode, each chunk rides along in their decode step as extra rows at consecutive
+positions, so a long prompt being admitted keeps them stepping instead of stopping them for the whole
+prompt (chunked prefill); with none decoding, it goes in by passes of its own. Every decode step feeds one token per active sequence at
 its own position (`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart), the
 blocks taken as the tokens arrive. A request leaves at a stop token or its max_tokens, its blocks go back to
 the pool and its slot takes the next waiting request — once the pool can hold all that request may grow to
@@ -237,7 +237,7 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
                  runner: type[ModelRunner] = ModelRunner, score_batch: int = 16,
                  kv_dtype: torch.dtype = torch.bfloat16, capacity: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = 0):
         self.max_batch = max_batch
         self.chunks = ChunkPolicy(prefill_chunk)
         self.admitted: list[int] = []  # slots still prefilling, in admission order
@@ -320,12 +320,12 @@ class Engine:
         self.runner.release(slot_index)
 
     def _prefill_some(self) -> None:
-        """With no stream decoding: the admitted prompts, oldest first, by passes of their own."""
+        """Admitted prompts by passes of their own (nothing decodes, or `prefill_chunk` 0), the fewest
+        tokens left first, up to this iteration's budget."""
         budget = self.chunks.tokens(decoding=False)
-        while self.admitted and (budget is None or budget > 0):
-            i = self._prefilling()
-            if i is None:
-                continue
+        for i in self._prefill_order():
+            if budget is not None and budget <= 0:
+                return
             slot = self.slots[i]
             req = slot.request
             n = len(req.prompt) - slot.prefilled if budget is None else min(budget, len(req.prompt) - slot.prefilled)
@@ -341,14 +341,15 @@ class Engine:
             budget = None if budget is None else budget - n
             self._prefilled(i, n, logits)
 
-    def _prefilling(self) -> int | None:
-        """The oldest admitted slot still prefilling; None after ending a cancelled one."""
-        i = self.admitted[0]
-        if self.slots[i].request.cancelled:
-            self.slots[i].request.events.put(("done", "cancelled"))
-            self._free(i)
-            return None
-        return i
+    def _prefill_order(self) -> list[int]:
+        """The admitted slots still prefilling, the fewest prompt tokens left first (a short prompt never
+        waits behind a long one; ties in admission order); cancelled ones are ended here."""
+        for i in list(self.admitted):
+            if self.slots[i].request.cancelled:
+                self.slots[i].request.events.put(("done", "cancelled"))
+                self._free(i)
+        left = {i: len(self.slots[i].request.prompt) - self.slots[i].prefilled for i in self.admitted}
+        return sorted(self.admitted, key=lambda i: left[i])  # sorted() keeps admission order on ties
 
     def _prefilled(self, i: int, n: int, logits: torch.Tensor) -> None:
         """`n` more prompt tokens of slot `i` are in; after its last, its first token (`logits`)."""
@@ -418,18 +419,22 @@ class Engine:
             return
         tokens = [self.slots[i].last for i in active]
         positions = [self.slots[i].position for i in active]
-        rows, want, riding = list(active), list(range(len(active))), None
-        while self.admitted and riding is None:  # the oldest admitted prompt's next chunk rides along
-            riding = self._prefilling()
-        if riding is not None:
-            slot, budget = self.slots[riding], self.chunks.tokens(decoding=True)
+        rows, want, riding = list(active), list(range(len(active))), []
+        budget = self.chunks.tokens(decoding=True)
+        for i in self._prefill_order() if self.chunks.fixed != 0 else ():  # prompt chunks ride along
+            if budget is not None and budget <= 0:
+                break
+            slot = self.slots[i]
             start = slot.prefilled
             n = len(slot.request.prompt) - start if budget is None else min(budget, len(slot.request.prompt) - start)
             tokens += slot.request.prompt[start:start + n]
             positions += range(start, start + n)
-            rows += [riding] * n
-            if start + n == len(slot.request.prompt):
+            rows += [i] * n
+            budget = None if budget is None else budget - n
+            done = start + n == len(slot.request.prompt)
+            if done:
                 want.append(len(rows) - 1)  # its last prompt token: the logits of its first new token
+            riding.append((i, n, len(want) - 1 if done else None))
         t0 = time.perf_counter()
         logits = self.runner.decode(torch.tensor(tokens, dtype=torch.long)[:, None],
                                     torch.tensor(positions, dtype=torch.long), rows, want)
@@ -437,8 +442,8 @@ class Engine:
         self.chunks.observe_step(time.perf_counter() - t0, len(rows) - len(active))
         self.largest_batch = max(self.largest_batch, len(active))
         self.steps += 1
-        if riding is not None:
-            self._prefilled(riding, len(rows) - len(active), logits[len(active)] if len(want) > len(active) else None)
+        for i, n, at in riding:
+            self._prefilled(i, n, None if at is None else logits[at])
         for row, i in enumerate(active):
             slot = self.slots[i]
             token = sample(logits[row], slot.request.sampling, slot.request.generator)
@@ -489,7 +494,9 @@ class Engine:
                 self._score_waiting()
                 self._admit()
                 if any(s is not None and s.decoding for s in self.slots):
-                    self._decode_step()  # the running streams' next tokens, a prompt chunk riding along
+                    if self.chunks.fixed == 0:  # unchunked: whole prompts first, in passes of their own
+                        self._prefill_some()
+                    self._decode_step()  # the running streams' next tokens, prompt chunks riding along
                 elif any(s is not None for s in self.slots):
                     self._prefill_some()
                 elif self.waiting.empty() and self.scoring.empty() and self._next is None:
