@@ -12,7 +12,7 @@ import torch
 from hardy.errors import HardyError
 from hardy.fault.preempt import STOP_SIGNALS, report_stop
 from hardy.fsio import write_bytes_atomic
-from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of, parse_endpoint, parse_nnodes
+from hardy.ops.launch import DEFAULT_PORT, Launch, SlurmJob, node_rank_of
 
 
 def register(sub) -> None:
@@ -101,7 +101,7 @@ def run_launch(args) -> int:
     for item in args.set:
         train_args += ["--set", item]
     if cfg.fault.recovery == "live":
-        return launch_live(args, cfg, train_args, Path(run_dir), launch.node_rank)
+        return launch_live(args, cfg, train_args, Path(run_dir), launch)
     torchrun_args = get_args_parser().parse_args(launch.torchrun_args(train_args))
     for nodes in sorted(set(launch.node_counts())):  # an elastic job must be valid at either end
         dims = ParallelDims.build(args.nproc * nodes, cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
@@ -130,33 +130,19 @@ def run_launch(args) -> int:
     return 0
 
 
-def launch_live(args, cfg, train_args: list[str], run_dir: Path, node_rank: int | None) -> int:
+def launch_live(args, cfg, train_args: list[str], run_dir: Path, launch: Launch) -> int:
     from hardy.fault.live_launch import LiveLayout, run_live
     from hardy.parallel.distributed import DistEnv
     from hardy.train.setup import prepare_dataset
 
-    nodes, endpoint = 1, None
-    if args.nnodes:
-        low, high = parse_nnodes(args.nnodes)
-        if low != high:
-            raise HardyError("fault.recovery = live takes a fixed --nnodes N: its replica groups leave and rejoin "
-                             "on their own (MIN:MAX is for restart recovery)")
-        if not args.rdzv_endpoint:
-            raise HardyError("--nnodes needs --rdzv-endpoint HOST:PORT (node 0's address, the same on every node)")
-        if node_rank is None or not 0 <= node_rank < low:
-            raise HardyError(f"live recovery on {low} nodes needs --node-rank 0..{low - 1} (0 on the endpoint's "
-                             "node; $SLURM_NODEID under srun)")
-        nodes, endpoint = low, parse_endpoint(args.rdzv_endpoint)
-    elif args.rdzv_endpoint or node_rank is not None:
-        raise HardyError("--rdzv-endpoint and --node-rank go with --nnodes (several nodes)")
+    nodes, endpoint, node_rank = launch.live_nodes()
     layout = LiveLayout.build(args.nproc, cfg, nodes)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def prepare():  # once per node, before its groups start (a no-op where the run dir is shared and ready)
         prepare_dataset(cfg, run_dir, DistEnv(0, 1, 0, torch.device("cpu")))
 
-    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir, prepare, node_rank or 0,
-                    endpoint)
+    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir, prepare, node_rank, endpoint)
 
 
 def stopped_by_signal(sig, run_dir: Path, started: float) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from hardy.errors import HardyError
+from hardy.errors import HardyError, first_line
 from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_START, ENV_START_COUNT, require_torchft,
                               start_lighthouse)
 from hardy.fault.preempt import STOP_SIGNALS, report_stop
@@ -90,7 +90,7 @@ def _meet(cfg, node_rank: int, endpoint: tuple[str, int] | None, prepare):
             address = store.get("lighthouse").decode()
         except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
             raise HardyError(f"node {node_rank}: no word from node 0's launcher at {host}:{port} "
-                             f"({(str(e).splitlines() or [''])[0][:200]})") from None
+                             f"({first_line(e, 200)})") from None
         prepare()
         return None, address, store, f"{host}:{port}"
     prepare()
@@ -106,7 +106,7 @@ def _meet(cfg, node_rank: int, endpoint: tuple[str, int] | None, prepare):
         store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait)
     except RuntimeError as e:
         raise HardyError(f"node 0 cannot host the store at {host}:{port} "
-                         f"({(str(e).splitlines() or [''])[0][:200]})") from None
+                         f"({first_line(e, 200)})") from None
     store.set("lighthouse", address)
     return lighthouse, address, store, f"{host}:{store.port}"
 
@@ -119,6 +119,7 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
     # torchft's per-quorum INFO lines (read when it is imported), here and in every group
     os.environ.setdefault("RUST_LOG", "warn")
     require_torchft()
+    # `store` stays referenced until the groups exit: a restarted group meets there again
     lighthouse, address, store, store_addr = _meet(cfg, node_rank, endpoint, prepare)
     env = {**os.environ, ENV_GROUPS: str(layout.groups), ENV_LIGHTHOUSE: address,
            ENV_START: store_addr, ENV_START_COUNT: str(layout.processes),
@@ -148,7 +149,6 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
             signal.signal(sig, handler)
         if lighthouse is not None:
             lighthouse.shutdown()
-        del store
     return _outcome(dict(zip(groups, codes)), stopping, run_dir, started, max_restarts)
 
 

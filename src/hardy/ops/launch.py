@@ -59,6 +59,35 @@ class Launch:
     def node_counts(self) -> tuple[int, int]:
         return parse_nnodes(self.nnodes) if self.nnodes else (1, 1)
 
+    def checked_nodes(self) -> tuple[int, int] | None:
+        """(min, max) nodes, with the endpoint and this node's rank checked; None for this node alone."""
+        if self.nnodes is None:
+            if self.rdzv_endpoint or self.node_rank is not None:
+                raise HardyError("--rdzv-endpoint and --node-rank go with --nnodes (several nodes)")
+            return None
+        counts = parse_nnodes(self.nnodes)
+        if not self.rdzv_endpoint:
+            raise HardyError("--nnodes needs --rdzv-endpoint HOST:PORT (the first node's address, the same on every node)")
+        parse_endpoint(self.rdzv_endpoint)
+        if self.node_rank is not None and self.node_rank < 0:
+            raise HardyError(f"--node-rank must be >= 0 (got {self.node_rank})")
+        return counts
+
+    def live_nodes(self) -> tuple[int, tuple[str, int] | None, int]:
+        """Live recovery's (nodes, endpoint or None, this node's rank): a fixed N, and the rank given (or
+        $SLURM_NODEID), since every node's groups are its own to start."""
+        counts = self.checked_nodes()
+        if counts is None:
+            return 1, None, 0
+        low, high = counts
+        if low != high:
+            raise HardyError("fault.recovery = live takes a fixed --nnodes N: its replica groups leave and rejoin "
+                             "on their own (MIN:MAX is for restart recovery)")
+        if self.node_rank is None or self.node_rank >= low:
+            raise HardyError(f"live recovery on {low} nodes needs --node-rank 0..{low - 1} (0 on the endpoint's "
+                             "node; $SLURM_NODEID under srun)")
+        return low, parse_endpoint(self.rdzv_endpoint), self.node_rank
+
     def torchrun_args(self, module_args: list[str]) -> list[str]:
         """The torchrun command line (after `torchrun`) that runs `python -m hardy MODULE_ARGS`."""
         if self.nproc < 1:
@@ -68,16 +97,8 @@ class Launch:
         common = ["--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts)]
         if self.log_dir:
             common += ["--log-dir", self.log_dir, "--redirects", "3"]
-        if self.nnodes is None:
-            if self.rdzv_endpoint or self.node_rank is not None:
-                raise HardyError("--rdzv-endpoint and --node-rank go with --nnodes (several nodes)")
+        if self.checked_nodes() is None:
             return ["--standalone", *common, "--module", "hardy", *module_args]
-        parse_nnodes(self.nnodes)
-        if not self.rdzv_endpoint:
-            raise HardyError("--nnodes needs --rdzv-endpoint HOST:PORT (the first node's address, the same on every node)")
-        parse_endpoint(self.rdzv_endpoint)
-        if self.node_rank is not None and self.node_rank < 0:
-            raise HardyError(f"--node-rank must be >= 0 (got {self.node_rank})")
         args = ["--nnodes", self.nnodes, *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
                 "--rdzv-id", self.rdzv_id]
         if self.node_rank is not None:  # explicit: on loopback every node's address matches the endpoint
@@ -138,7 +159,8 @@ class SlurmJob:
                   "# (from the newest complete checkpoint) after a failure, up to --max-restarts times"]
         launcher = [self.python, "-m", "hardy", "launch", "--nnodes", str(self.nodes), "--nproc",
                     str(self.procs_per_node)]
-        lines.append("srun " + ("--kill-on-bad-exit=0 " if self.live else "") + " ".join(shlex.quote(a) for a in launcher)
+        srun = "srun --kill-on-bad-exit=0 " if self.live else "srun "
+        lines.append(srun + " ".join(shlex.quote(a) for a in launcher)
                      + f' --rdzv-endpoint "$head_addr:{self.port}" --rdzv-id "$SLURM_JOB_ID"'
                      + f" --max-restarts {self.max_restarts} " + " ".join(shlex.quote(a) for a in self.train_args))
         preempted = shlex.quote(f"{self.run_dir}/{PREEMPTED}")

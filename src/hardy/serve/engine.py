@@ -100,8 +100,13 @@ class _Slot:
     prefilled: int = 0  # prompt tokens in the cache so far; it decodes once all are
 
     @property
+    def left(self) -> int:
+        """Prompt tokens not yet in the cache."""
+        return len(self.request.prompt) - self.prefilled
+
+    @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.request.prompt)
+        return self.left == 0
 
 
 RIDE_FIRST, RIDE_MIN, RIDE_MAX, IDLE_CHUNK = 2, 1, 256, 512  # prompt tokens per step or pass
@@ -322,13 +327,14 @@ class Engine:
     def _prefill_some(self) -> None:
         """Admitted prompts by passes of their own (nothing decodes, or `prefill_chunk` 0), the fewest
         tokens left first, up to this iteration's budget."""
+        self._end_cancelled()
         budget = self.chunks.tokens(decoding=False)
         for i in self._prefill_order():
             if budget is not None and budget <= 0:
                 return
             slot = self.slots[i]
             req = slot.request
-            n = len(req.prompt) - slot.prefilled if budget is None else min(budget, len(req.prompt) - slot.prefilled)
+            n = slot.left if budget is None else min(budget, slot.left)
             try:
                 logits = self.runner.prefill(i, torch.tensor([req.prompt[slot.prefilled:slot.prefilled + n]]),
                                              len(req.prompt) + req.sampling.max_new_tokens, slot.prefilled)
@@ -343,13 +349,8 @@ class Engine:
 
     def _prefill_order(self) -> list[int]:
         """The admitted slots still prefilling, the fewest prompt tokens left first (a short prompt never
-        waits behind a long one; ties in admission order); cancelled ones are ended here."""
-        for i in list(self.admitted):
-            if self.slots[i].request.cancelled:
-                self.slots[i].request.events.put(("done", "cancelled"))
-                self._free(i)
-        left = {i: len(self.slots[i].request.prompt) - self.slots[i].prefilled for i in self.admitted}
-        return sorted(self.admitted, key=lambda i: left[i])  # sorted() keeps admission order on ties
+        waits behind a long one; sorted() keeps admission order on ties)."""
+        return sorted(self.admitted, key=lambda i: self.slots[i].left)
 
     def _prefilled(self, i: int, n: int, logits: torch.Tensor) -> None:
         """`n` more prompt tokens of slot `i` are in; after its last, its first token (`logits`)."""
@@ -409,11 +410,15 @@ class Engine:
             r.events.put(("scores", scores[:len(r.rows)]))
             scores = scores[len(r.rows):]
 
-    def _decode_step(self) -> None:
+    def _end_cancelled(self) -> None:
+        """Free the slots of cancelled requests, decoding or still prefilling."""
         for i, s in enumerate(self.slots):
             if s is not None and s.request.cancelled:
                 s.request.events.put(("done", "cancelled"))
                 self._free(i)
+
+    def _decode_step(self) -> None:
+        self._end_cancelled()
         active = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
         if not active:
             return
@@ -426,12 +431,12 @@ class Engine:
                 break
             slot = self.slots[i]
             start = slot.prefilled
-            n = len(slot.request.prompt) - start if budget is None else min(budget, len(slot.request.prompt) - start)
+            n = slot.left if budget is None else min(budget, slot.left)
             tokens += slot.request.prompt[start:start + n]
             positions += range(start, start + n)
             rows += [i] * n
             budget = None if budget is None else budget - n
-            done = start + n == len(slot.request.prompt)
+            done = n == slot.left
             if done:
                 want.append(len(rows) - 1)  # its last prompt token: the logits of its first new token
             riding.append((i, n, len(want) - 1 if done else None))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hardy.errors import HardyError
+from hardy.errors import HardyError, first_line
 from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, GroupStragglers, LiveReplica, StepPlan, combine_slot_rows,
                               wait_for_start)
 from hardy.fsio import write_json_atomic
@@ -324,9 +324,8 @@ class LiveTrainer(Trainer):
             raise
         except Exception as e:  # a process of this group died (a collective inside the group failed, or
             # its quorum server went with its rank 0): this group restarts, the others go on
-            first = (str(e).splitlines() or [""])[0][:300]
-            raise HardyError(f"replica group {self.group} lost a process ({type(e).__name__}: {first}); it "
-                             "restarts and heals from a live peer while the others go on") from e
+            raise HardyError(f"replica group {self.group} lost a process ({type(e).__name__}: {first_line(e)}); "
+                             "it restarts and heals from a live peer while the others go on") from e
         finally:
             self.replica.shutdown()
 
