@@ -49,6 +49,18 @@ def test_exact_on_grid_activations_and_close_otherwise(ext, spec):
     assert kernel(x[None]).shape == (1, 4, 96)
 
 
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 128, True), QuantSpec(5, 32, True)])
+def test_many_rows_give_the_bits_of_one_row_at_a_time(ext, spec):
+    """A batch's rows share each tile's unpacked codes (four at a time, then the rest): every row's
+    result is bit for bit the one of that row alone, whatever the number of rows."""
+    layer = _layer(spec, out=100)
+    kernel = kernels.make_kernel(layer, ext)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([kernel(x[t:t + 1]) for t in range(11)])
+    for rows in (2, 3, 4, 5, 7, 11):
+        assert torch.equal(kernel(x[:rows]), alone[:rows]), rows
+
+
 def test_tiled_layout_is_a_lossless_relayout(ext):
     """The kernel re-lays int4 and int8 weights in tiles of 8 interleaved rows (padded): state_dict(), the
     stored tensors, row lookups and embeddings give back exactly the stored layout, a state dict

@@ -126,3 +126,34 @@ def weights_line(loaded) -> str:
     from hardy.infer.kv import GiB, model_bytes
 
     return f"weights {model_bytes(loaded.model) / GiB:.2f} GiB ({loaded.config.family}, {loaded.config.n_layers} layers)"
+
+
+def add_speculate_args(p) -> None:
+    """Speculative decoding for generate and serve (hardy.infer.speculate)."""
+    p.add_argument("--speculate", default="off", metavar="off|ngram|draft:MODEL",
+                   help="check several guessed tokens per decode step (greedy requests; output unchanged): "
+                        "ngram guesses by prompt lookup, draft:MODEL with a small model of the same vocabulary")
+    p.add_argument("--speculate-tokens", type=int, default=6, metavar="K",
+                   help="the most tokens guessed per step (default 6; fewer while guesses are rejected)")
+
+
+def parse_speculation(args):
+    """The SpeculationConfig of --speculate (None when off); a bad value fails before any load."""
+    from hardy.infer.speculate import parse_speculate
+
+    return parse_speculate(args.speculate, args.speculate_tokens)
+
+
+def speculator_for(args, spec, loaded, sequences: int, context: int, kv_dtype):
+    """The Speculator of `spec` (None when off), its draft model loaded like --model and checked against it."""
+    from hardy.infer.speculate import DraftModel, Speculator, check_draft
+
+    if spec is None:
+        return None
+    if spec.mode == "ngram":
+        return Speculator(spec)
+    draft = load_model(spec.draft_model, dtype=DTYPES[args.dtype], device=compute_device(loaded.model),
+                       gguf=getattr(args, "gguf_weights", "float"), progress=sys.stderr.isatty())
+    check_draft(loaded.model, draft.model, context)
+    use_fast_prefill(draft)
+    return Speculator(spec, DraftModel(draft.model, sequences, context, kv_dtype))

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
-from hardy.cli.common import add_kv_args, add_model_args, add_tp_args, kv_settings, load_from_args, use_fast_prefill
+from hardy.cli.common import (add_kv_args, add_model_args, add_speculate_args, add_tp_args, kv_settings, load_from_args,
+                              parse_speculation, speculator_for, use_fast_prefill)
 from hardy.errors import HardyError
 from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
@@ -30,6 +31,7 @@ def register(sub) -> None:
                    help="torch.compile the decode step (float models, one process; SmolLM2 fp32 decode "
                         "1.07-1.10x faster here after a one-off ~40 s compile)")
     add_kv_args(p)
+    add_speculate_args(p)
     add_tp_args(p)
     p.set_defaults(func=run)
 
@@ -47,6 +49,10 @@ def run(args) -> int:
         read_template_file(args.chat_template)  # refused before the model loads
     if args.compile and args.tp > 1:
         raise HardyError("--compile is for one process; drop it or --tp")
+    spec = parse_speculation(args)
+    if spec is not None and (args.tp > 1 or args.compile or args.no_cache or args.temperature > 0):
+        raise HardyError("--speculate needs greedy decoding (--temperature 0) in one process over the KV cache "
+                         "(not --tp, --compile or --no-cache)")
     if args.tp > 1:
         from hardy.infer.tensor_parallel import cpu_only
 
@@ -96,14 +102,16 @@ def run(args) -> int:
         sys.stdout.write(stream.step(token))
         sys.stdout.flush()
 
+    speculator = speculator_for(args, spec, loaded, 1, len(prompt) + args.max_new_tokens, kv_dtype)
     result = generate(loaded.model, prompt, sampling, stop_ids=stop, use_cache=not args.no_cache, on_token=emit,
-                      compile=compile_step, kv_dtype=kv_dtype)
+                      compile=compile_step, kv_dtype=kv_dtype, speculator=speculator)
     sys.stdout.write("\n")
     if args.stats:
         s = result.stats
         print(f"prefill: {s.prompt_tokens} tokens in {s.prefill_s:.3f} s ({s.prefill_tps:.1f} tokens/s); "
               f"decode: {s.new_tokens} tokens in {s.decode_s:.3f} s ({s.decode_tps:.1f} tokens/s)"
-              + (f"; compile: {s.compile_s:.1f} s" if s.compile_s else ""), file=sys.stderr)
+              + (f"; compile: {s.compile_s:.1f} s" if s.compile_s else "")
+              + (f"; speculation: {s.accepted} of {s.drafted} guesses kept" if spec else ""), file=sys.stderr)
     if args.tp > 1:
         leave_together()
     return 0

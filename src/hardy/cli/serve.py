@@ -5,8 +5,8 @@ import os
 import sys
 import threading
 
-from hardy.cli.common import (add_kv_args, add_model_args, add_tp_args, kv_settings, load_from_args,
-                               use_fast_prefill, weights_line)
+from hardy.cli.common import (add_kv_args, add_model_args, add_speculate_args, add_tp_args, kv_settings,
+                               load_from_args, parse_speculation, speculator_for, use_fast_prefill, weights_line)
 from hardy.errors import HardyError
 from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
@@ -39,6 +39,7 @@ def register(sub) -> None:
                         "0 (default): each prompt in one pass of its own, which stops the streams meanwhile; auto: "
                         "as many as keep a step within 1.6x a plain one; N: at most N (BENCHMARKS.md: what each costs)")
     add_kv_args(p)
+    add_speculate_args(p)
     add_tp_args(p)
     p.set_defaults(func=run)
 
@@ -57,6 +58,9 @@ def run(args) -> int:
         if not getattr(args, key) > 0:
             raise HardyError(f"--{key.replace('_', '-')} must be > 0")
     chunk = prefill_chunk(args.prefill_chunk)
+    spec = parse_speculation(args)
+    if spec is not None and args.tp > 1:
+        raise HardyError("--speculate runs in one process; drop it or --tp")
     if args.chat_template:
         read_template_file(args.chat_template)  # refused before the model loads
     if args.tp > 1:
@@ -95,8 +99,13 @@ def run(args) -> int:
             return 0
         runner = LeaderRunner
     print(f"hardy: {weights_line(loaded)}; {budget.line}", file=sys.stderr, flush=True)
+    speculator = speculator_for(args, spec, loaded, args.max_batch, context, kv_dtype)
+    if spec is not None:
+        print(f"hardy: speculation {spec.label}, up to {spec.tokens} guessed tokens per step for greedy requests",
+              file=sys.stderr, flush=True)
     engine = Engine(loaded.model, max_batch=args.max_batch, max_queue=args.max_queue, context=context,
-                    runner=runner, kv_dtype=kv_dtype, capacity=budget.capacity, prefill_chunk=chunk)
+                    runner=runner, kv_dtype=kv_dtype, capacity=budget.capacity, prefill_chunk=chunk,
+                    speculator=speculator)
     failed = serve_http(args, engine, loaded.tokenizer)
     if failed:
         print(f"hardy: error: the engine failed ({failed}); stopping", file=sys.stderr, flush=True)

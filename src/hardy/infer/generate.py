@@ -38,6 +38,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     compile_s: float = 0.0  # torch.compile of the decode step (before decoding; not in decode_s)
+    drafted: int = 0  # speculation: guesses checked
+    accepted: int = 0  # and kept
 
     @property
     def prefill_tps(self) -> float:
@@ -135,14 +137,19 @@ def compiled_decode_step(model):
 @torch.inference_mode()
 def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] | None = None,
              use_cache: bool = True, on_token: Callable[[int], None] | None = None,
-             compile: bool = False, kv_dtype: torch.dtype = torch.float32) -> Generation:
+             compile: bool = False, kv_dtype: torch.dtype = torch.float32, speculator=None) -> Generation:
     """`compile`: run the decode steps through `compiled_decode_step` (compiled before the prefill;
     the time is reported as `stats.compile_s`), over a static cache; otherwise the paged cache
-    (hardy.infer.kv) holds keys and values in `kv_dtype`, its blocks taken as the tokens arrive."""
+    (hardy.infer.kv) holds keys and values in `kv_dtype`, its blocks taken as the tokens arrive.
+    `speculator` (hardy.infer.speculate.Speculator, greedy decoding over the paged cache): guesses
+    checked several at a time; the tokens are the ones decoding without it gives."""
     if not prompt:
         raise HardyError("the prompt is empty")
     if compile and not use_cache:
         raise HardyError("--compile compiles the cached decode step; it cannot be combined with --no-cache")
+    if speculator is not None and (compile or not use_cache or cfg.temperature >= MIN_TEMPERATURE):
+        raise HardyError("--speculate needs greedy decoding (--temperature 0) over the KV cache "
+                         "(not --compile or --no-cache)")
     total = len(prompt) + cfg.max_new_tokens
     if total > model.cfg.max_seq_len:
         raise HardyError(f"prompt ({len(prompt)}) + max new tokens ({cfg.max_new_tokens}) exceeds the model's "
@@ -164,7 +171,8 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
         cache_len = min(model.cfg.max_seq_len, -(-total // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
         model.setup_kv_cache(1, cache_len)
     elif use_cache:
-        pool = PagedKVCache(model, 1, total, kv_dtype).pool
+        cache = PagedKVCache(model, 1, total, kv_dtype)
+        pool = cache.pool
         pool.reserve(0, len(prompt))
     try:
         if step is not None:
@@ -180,7 +188,10 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
         synchronize(device)  # CUDA runs asynchronously: the prefill has ended when its kernels have
         stats.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        while True:
+        if speculator is not None:
+            _speculative_decode(model, cache, prompt, out, logits, cfg.max_new_tokens, stop_ids, on_token, speculator)
+            stats.drafted, stats.accepted = speculator.drafted, speculator.accepted
+        while speculator is None:
             token = sample(logits, cfg, generator)
             out.append(token)
             if on_token is not None:
@@ -194,9 +205,44 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
                 logits = next_logits(model, ids([[token]]), len(prompt) + len(out) - 1)
             else:
                 logits = next_logits(model, ids([prompt + out]), 0)
+        synchronize(device)
         stats.decode_s = time.perf_counter() - t0
     finally:
         if use_cache:
             model.clear_kv_cache()
     stats.new_tokens = len(out)
     return Generation(out, stats)
+
+
+def _speculative_decode(model, cache: PagedKVCache, prompt: list[int], out: list[int], logits: torch.Tensor,
+                        max_new: int, stop_ids: set[int], on_token, speculator) -> None:
+    """Greedy decoding of one sequence (pool row 0) from the prompt's logits, each step feeding the last
+    token and the speculator's guesses at consecutive positions in one pass: row j's logits give the
+    token after guess j, kept while the guesses match (hardy.infer.speculate)."""
+    seq = list(prompt)
+    pending = [greedy(logits)]
+    while True:
+        for token in pending:
+            out.append(token)
+            seq.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop_ids or len(out) >= max_new:
+                return
+        room = max_new - len(out) - 1  # the last row's logits give the final token
+        guesses = speculator.propose({0: (seq, room)}, 1).get(0, []) if room > 0 else []
+        rows, position = [seq[-1]] + guesses, len(seq) - 1
+        cache.pool.reserve(0, position + len(rows))
+        cache.use([0] * len(rows))
+        t0 = time.perf_counter()
+        hidden = decode_hidden(model, torch.tensor(rows, device=cache.pool.device)[:, None],
+                               torch.arange(position, position + len(rows), device=cache.pool.device))
+        logits = model.logits(hidden[:, -1]).float().cpu()
+        speculator.observe_step(time.perf_counter() - t0, 1, len(guesses))
+        pending = []
+        for j in range(len(rows)):
+            pending.append(greedy(logits[j]))
+            if j == len(guesses) or pending[-1] != guesses[j]:
+                break
+        if guesses:
+            speculator.verified(0, len(guesses), len(pending) - 1)

@@ -7,8 +7,9 @@ while other streams decode, each chunk rides along in their decode step as extra
 positions, so a long prompt being admitted keeps them stepping instead of stopping them for the whole
 prompt (chunked prefill); with none decoding, it goes in by passes of its own. Every decode step feeds one token per active sequence at
 its own position (`Transformer.hidden_states` with a positions tensor; a per-row mask keeps rows apart), the
-blocks taken as the tokens arrive. A request leaves at a stop token or its max_tokens, its blocks go back to
-the pool and its slot takes the next waiting request — once the pool can hold all that request may grow to
+blocks taken as the tokens arrive; with a speculator (hardy.infer.speculate) a greedy stream also feeds
+guessed tokens after its own, kept while the model agrees (`_take`). A request leaves at a stop token or
+its max_tokens, its blocks go back to the pool and its slot takes the next waiting request — once the pool can hold all that request may grow to
 (a pool smaller than max_batch x context, where memory is short, makes requests wait, never fail halfway).
 
 Scoring requests (`POST /v1/rerank`: candidate rows whose continuation's log-likelihood is wanted)
@@ -35,7 +36,7 @@ import torch
 from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.infer.fused_decode import decode_hidden
-from hardy.infer.generate import SamplingConfig, sample
+from hardy.infer.generate import MIN_TEMPERATURE, SamplingConfig, sample
 from hardy.infer.kv import BLOCK, PagedKVCache
 from hardy.infer.rerank import ScoreRow, score_rows, target_log_likelihood
 
@@ -242,8 +243,9 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
                  runner: type[ModelRunner] = ModelRunner, score_batch: int = 16,
                  kv_dtype: torch.dtype = torch.bfloat16, capacity: int | None = None,
-                 prefill_chunk: int | None = 0):
+                 prefill_chunk: int | None = 0, speculator=None):
         self.max_batch = max_batch
+        self.speculator = speculator  # hardy.infer.speculate.Speculator: guesses checked for greedy requests
         self.chunks = ChunkPolicy(prefill_chunk)
         self.admitted: list[int] = []  # slots still prefilling, in admission order
         self.score_batch = score_batch  # scoring rows per forward pass
@@ -323,6 +325,8 @@ class Engine:
         if slot_index in self.admitted:  # cancelled or failed while its prompt was going in
             self.admitted.remove(slot_index)
         self.runner.release(slot_index)
+        if self.speculator is not None:
+            self.speculator.release(slot_index)
 
     def _prefill_some(self) -> None:
         """Admitted prompts by passes of their own (nothing decodes, or `prefill_chunk` 0), the fewest
@@ -417,14 +421,34 @@ class Engine:
                 s.request.events.put(("done", "cancelled"))
                 self._free(i)
 
+    def _guesses(self, active: list[int]) -> dict[int, list[int]]:
+        """The speculator's guesses for the greedy streams among `active` (none past a request's
+        max_tokens: the last row's logits give its final token)."""
+        if self.speculator is None:
+            return {}
+        contexts = {}
+        for i in active:
+            req = self.slots[i].request
+            room = req.sampling.max_new_tokens - len(req.tokens) - 1
+            if room > 0 and req.sampling.temperature < MIN_TEMPERATURE:
+                contexts[i] = (req.prompt + req.tokens, room)
+        return self.speculator.propose(contexts, len(active)) if contexts else {}
+
     def _decode_step(self) -> None:
         self._end_cancelled()
         active = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
         if not active:
             return
-        tokens = [self.slots[i].last for i in active]
-        positions = [self.slots[i].position for i in active]
-        rows, want, riding = list(active), list(range(len(active))), []
+        guesses = self._guesses(active)
+        tokens, positions, rows, want = [], [], [], []
+        for i in active:  # each stream's next token, then its guesses at the positions after it
+            slot = self.slots[i]
+            fed = [slot.last] + guesses.get(i, [])
+            want += range(len(rows), len(rows) + len(fed))
+            tokens += fed
+            positions += range(slot.position, slot.position + len(fed))
+            rows += [i] * len(fed)
+        guessed, riding = len(rows) - len(active), []
         budget = self.chunks.tokens(decoding=True)
         for i in self._prefill_order() if self.chunks.fixed != 0 else ():  # prompt chunks ride along
             if budget is not None and budget <= 0:
@@ -444,17 +468,35 @@ class Engine:
         logits = self.runner.decode(torch.tensor(tokens, dtype=torch.long)[:, None],
                                     torch.tensor(positions, dtype=torch.long), rows, want)
         logits = logits.cpu()  # one copy back per step, not one per row
-        self.chunks.observe_step(time.perf_counter() - t0, len(rows) - len(active))
+        seconds, prompt_rows = time.perf_counter() - t0, len(rows) - len(active) - guessed
+        if not guessed:
+            self.chunks.observe_step(seconds, prompt_rows)
+        if self.speculator is not None and not prompt_rows:
+            self.speculator.observe_step(seconds, len(active), guessed)
         self.largest_batch = max(self.largest_batch, len(active))
         self.steps += 1
         for i, n, at in riding:
             self._prefilled(i, n, None if at is None else logits[at])
-        for row, i in enumerate(active):
-            slot = self.slots[i]
-            token = sample(logits[row], slot.request.sampling, slot.request.generator)
+        row = 0
+        for i in active:
+            row += self._take(i, logits[row:], guesses.get(i, []))
+
+    def _take(self, i: int, logits: torch.Tensor, guesses: list[int]) -> int:
+        """Slot i's new tokens from its rows' logits: row j gives the token after guess j, so tokens are
+        taken while they match the guesses, and one more. Returns how many rows slot i had."""
+        slot, kept = self.slots[i], 0
+        for j in range(len(guesses) + 1):
+            token = sample(logits[j], slot.request.sampling, slot.request.generator)
             slot.position += 1
-            if not self._emit(i, token):
-                slot.last = token
+            if self._emit(i, token):
+                break
+            slot.last = token
+            if j == len(guesses) or token != guesses[j]:
+                break
+            kept += 1
+        if guesses and self.slots[i] is slot:  # (a finished request's slot is already released)
+            self.speculator.verified(i, len(guesses), kept)
+        return len(guesses) + 1
 
     def _loop(self) -> None:
         try:
@@ -489,6 +531,8 @@ class Engine:
                 self.slots[i] = None
                 self.runner.pool.release(i)
                 self.runner.promised[i] = 0
+                if self.speculator is not None:
+                    self.speculator.release(i)
 
     def _serve_loop(self) -> None:
         while not self._stop.is_set():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 disable_created_metrics()  # the *_created series only double what a scrape needs
@@ -30,8 +31,24 @@ class ServerMetrics:
         Gauge("hardy_running_batch", "requests holding a slot (decoded together)",
               registry=self.registry).set_function(lambda: sum(s is not None for s in engine.slots))
 
+        if getattr(engine, "speculator", None) is not None:
+            self.registry.register(_Speculation(engine.speculator))
+
     def count_response(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Speculation:
+    """The speculator's running totals (`--speculate`), read at each scrape."""
+
+    def __init__(self, speculator):
+        self.speculator = speculator
+
+    def collect(self):
+        yield CounterMetricFamily("hardy_speculation_drafted_tokens", "guessed tokens checked by the model",
+                                  value=self.speculator.drafted)
+        yield CounterMetricFamily("hardy_speculation_accepted_tokens", "guessed tokens the model agreed with",
+                                  value=self.speculator.accepted)

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <atomic>
+#include <thread>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -56,11 +58,34 @@ void add_bias(float* y, const float* bias, int64_t B, int64_t n) {
     for (int64_t b = 0; b < B; ++b) add_into(y + b * n, bias, n);
 }
 
-inline void barrier() {
-#ifdef _OPENMP
-#pragma omp barrier
+// The threads of one call wait for each other between phases here, spinning: the stack's ~3 waits per
+// block are microseconds apart. An OpenMP barrier sleeps in the kernel instead once libgomp manages more
+// threads than there are CPUs, which it does as soon as a second thread (a server's engine thread) runs a
+// parallel region beside the main thread's idle team: that made every decode step ~2.8x slower there.
+struct SpinBarrier {
+  std::atomic<int> arrived{0}, phase{0}, threads{1};
+
+  void wait() {
+    const int n = threads.load(std::memory_order_relaxed);
+    if (n <= 1) return;
+    const int p = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(p + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase.load(std::memory_order_acquire) == p; ++spins) {
+      if (spins < (1 << 14)) pause();
+      else std::this_thread::yield();  // a thread descheduled on a busy machine: let it run
+    }
+  }
+
+  static void pause() {
+#ifdef HARDY_AVX2
+    _mm_pause();
 #endif
-}
+  }
+};
 
 // The sizes of one call and the buffers every phase reads and writes (allocated before the region).
 struct Step {
@@ -93,6 +118,7 @@ struct Step {
   float *moe_gate, *moe_up, *moe_down;  // [R, F], [R, F], [R, D]
   float* moe_xg;                        // per thread: [R, most groups of any matrix]
   int64_t moe_xg_stride;
+  SpinBarrier* sync;  // between phases
 };
 
 // This thread's share of the products of `count` matrices (the same input, quantized in the Step's
@@ -287,11 +313,11 @@ void expert_sum(const Step& s, int64_t k) {
 void shared_expert(const Step& s, const QMatrix* X, const float* G, bool gated, int tid, int n) {
   float* gate_up[2] = {s.gate, s.up};
   products(s, X, 2, gate_up, tid, n);
-  barrier();
+  s.sync->wait();
   gated_quantized(s, X[0].rows, tid, n);
-  barrier();
+  s.sync->wait();
   products(s, X + 2, 1, &s.attn, tid, n);
-  barrier();
+  s.sync->wait();
   if (tid == 0)
     for (int64_t b = 0; b < s.B; ++b) {
       const float g = gated ? 1.f / (1.f + std::exp(-kv_dot<KVType::F32>(G, s.h + b * s.D, s.D))) : 1.f;
@@ -299,7 +325,7 @@ void shared_expert(const Step& s, const QMatrix* X, const float* G, bool gated, 
       const float* z = s.attn + b * s.D;
       for (int64_t i = 0; i < s.D; ++i) y[i] += g * z[i];
     }
-  barrier();
+  s.sync->wait();
 }
 
 // After the q/k/v products (thread 0): biases, per-head norms, rotary embedding, the cache write.
@@ -341,49 +367,49 @@ void run_blocks(const DecodeStack& st, const Step& s, int tid, int n) {
       rms_norm(s.x, s.norms[2 * l], B, D, s.eps, s.h);
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
-    barrier();
+    s.sync->wait();
     float* qkv[3] = {s.q, s.k, s.v};
     products(s, M, 3, qkv, tid, n);
-    barrier();
+    s.sync->wait();
     if (tid == 0) prepare_attention(s, l, H);
-    barrier();
+    s.sync->wait();
     attention_any(s, l, H, e.window, tid, n);
-    barrier();
+    s.sync->wait();
     quantize_share(s.attn, B * M[3].K / QK, s.codes, s.block_scales, s.block_sums, tid, n);
-    barrier();
+    s.sync->wait();
     products(s, M + 3, 1, &s.proj, tid, n);
-    barrier();
+    s.sync->wait();
     if (tid == 0) {
       residual(s, e.post_attn);
       rms_norm(s.x, s.norms[2 * l + 1], B, D, s.eps, s.h);
       quantize_rows(s.h, B, D, s.codes, s.block_scales, s.block_sums);
     }
-    barrier();
+    s.sync->wait();
     if (experts > 0) {
       const int64_t k = st.moe[4 * l + 1];
       router_logits(s, st.routers[l].data_ptr<float>(), experts, tid, n);
-      barrier();
+      s.sync->wait();
       if (tid == 0) route_and_group(s, experts, k, st.moe[4 * l + 2] != 0);
-      barrier();
+      s.sync->wait();
       expert_products(s, M + 4, experts, false, tid, n);
-      barrier();
+      s.sync->wait();
       expert_activation(s, B * k, F, tid, n);
-      barrier();
+      s.sync->wait();
       expert_products(s, M + 4, experts, true, tid, n);
-      barrier();
+      s.sync->wait();
       if (tid == 0) expert_sum(s, k);
-      barrier();
+      s.sync->wait();
       if (st.moe[4 * l + 3]) shared_expert(s, M + 4 + 3 * experts, st.routers[l].data_ptr<float>() + experts * D,
                                            st.moe[4 * l + 3] == 2, tid, n);
       continue;
     }
     float* gate_up[2] = {s.gate, s.up};
     products(s, M + 4, 2, gate_up, tid, n);
-    barrier();
+    s.sync->wait();
     gated_quantized(s, F, tid, n);
-    barrier();
+    s.sync->wait();
     products(s, M + 6, 1, &s.proj, tid, n);
-    barrier();
+    s.sync->wait();
   }
   if (tid == 0 && L > 0) residual(s, s.extras[L - 1].post_ffn);
 }
@@ -573,9 +599,14 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   s.gelu = gelu;
   s.scale = (float)scale;
   s.softcap = (float)softcap;
+  SpinBarrier sync;
+  s.sync = &sync;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  run_blocks(*this, s, omp_get_thread_num(), omp_get_num_threads());
+  {
+    sync.threads.store(omp_get_num_threads(), std::memory_order_relaxed);  // the team OpenMP gave, by each of it
+    run_blocks(*this, s, omp_get_thread_num(), omp_get_num_threads());
+  }
 #else
   run_blocks(*this, s, 0, 1);
 #endif

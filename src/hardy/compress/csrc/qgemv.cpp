@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <memory>
 #include <vector>
 
@@ -210,6 +211,29 @@ void group_sums(const QMatrix& m, int64_t T, const float* block_sums, float* xg)
     for (int64_t b = 0; b < nb; ++b) xg[t * G + b / bpg] += block_sums[t * nb + b];
 }
 
+// T rows through the plain int4 grid's tiles [begin, end), four rows per pass over a tile, then the rest.
+template <bool HasMin>
+void int4_rows(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const int8_t* XQ, const float* DX,
+               const float* xg, float* Y) {
+  const int64_t K = m.K, nb = K / QK, G = m.groups, bpg = m.blocks_per_group, N = m.rows;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint8_t* W = m.w4 + i * 4 * K;
+    const uint16_t* S = m.scales + i * G * 8;
+    const uint16_t* M = HasMin ? m.mins + i * G * 8 : nullptr;
+    const int64_t valid = std::min<int64_t>(8, N - i * 8);
+    int64_t t = 0;
+    auto rows = [&](auto r) {
+      q4_tile8_rows<HasMin, decltype(r)::value>(W, S, M, XQ + t * K, K, DX + t * nb, xg + t * G, nb, G, bpg,
+                                                 Y + t * N + i * 8, N, valid);
+      t += decltype(r)::value;
+    };
+    for (; T - t >= 4;) rows(std::integral_constant<int, 4>{});
+    if (T - t == 3) rows(std::integral_constant<int, 3>{});
+    else if (T - t == 2) rows(std::integral_constant<int, 2>{});
+    else if (T - t == 1) rows(std::integral_constant<int, 1>{});
+  }
+}
+
 void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const int8_t* XQ, const float* DX,
                   const float* xg, float* Y) {
   if (begin >= end) return;
@@ -238,6 +262,11 @@ void matrix_tiles(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const
         for (int64_t t = 0; t < T; ++t)
           tile(W + i * 4 * K, nullptr, m.supers_of(i), XQ + t * K, DX + t * nb, xg + t * G, nb, G, bpg,
                Y + t * N + i * 8, std::min<int64_t>(8, N - i * 8), m.high_of(i), m.kscales + i * G * 16);
+      return;
+    }
+    if (!m.high && T > 1) {  // several rows: each tile unpacked once for up to 4 of them
+      if (m.mins) int4_rows<true>(m, begin, end, T, XQ, DX, xg, Y);
+      else int4_rows<false>(m, begin, end, T, XQ, DX, xg, Y);
       return;
     }
     const auto tile = m.high ? q4_tile8<false, true> : m.mins ? q4_tile8<true> : q4_tile8<false>;

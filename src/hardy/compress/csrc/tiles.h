@@ -189,6 +189,67 @@ inline void q4_tile8(const uint8_t* W, const uint16_t* S, const uint16_t* M, con
   std::memcpy(y, out, valid * sizeof(float));
 }
 
+// R activation rows against one tile of the plain int4 grid (Q4_0's, or with mins Q4_1's and hardy's):
+// each block's nibbles are unpacked once for all R rows, not once per row, so the rows a batched step
+// adds (other streams, speculative guesses, prompt chunks riding along) cost their dot products only.
+// Each row's operations are q4_tile8's in the same order: the same bits as R calls of it.
+template <bool HasMin, int R>
+inline void q4_tile8_rows(const uint8_t* W, const uint16_t* S, const uint16_t* M, const int8_t* xq, int64_t K,
+                          const float* dx, const float* xg, int64_t nb, int64_t G, int64_t bpg, float* y, int64_t N,
+                          int64_t valid) {
+#ifdef HARDY_AVX2
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc[R], acc_min[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+  for (int64_t g = 0, b0 = 0; g < G; ++g, b0 += bpg) {
+    const int64_t b1 = std::min(nb, b0 + bpg);
+    __m256 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* w = W + b * 128;
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + PF_BYTES + 64), _MM_HINT_T0);
+      __m256i lo[4], hi[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+        lo[c] = _mm256_and_si256(v, low);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * K + b * QK;
+        __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          int32_t lo4, hi4;
+          std::memcpy(&lo4, x + 4 * c, 4);
+          std::memcpy(&hi4, x + 16 + 4 * c, 4);
+          d0 = dot_acc(d0, lo[c], _mm256_set1_epi32(lo4));
+          d1 = dot_acc(d1, hi[c], _mm256_set1_epi32(hi4));
+        }
+        part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), _mm256_set1_ps(dx[r * nb + b]), part[r]);
+      }
+    }
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 8 * g)));
+    for (int r = 0; r < R; ++r) {
+      if constexpr (HasMin) {
+        acc[r] = _mm256_fmadd_ps(part[r], scale, acc[r]);
+        acc_min[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(M + 8 * g))),
+                                     _mm256_set1_ps(xg[r * G + g]), acc_min[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_sub_ps(part[r], _mm256_set1_ps(8.f * xg[r * G + g])), scale, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(acc[r], acc_min[r]));
+    std::memcpy(y + r * N, out, valid * sizeof(float));
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    q4_tile8<HasMin>(W, S, M, xq + r * K, dx + r * nb, xg + r * G, nb, G, bpg, y + r * N, valid);
+#endif
+}
+
 // The 6-bit K-quant tile (qgemv.h): per block, the low nibbles' products with x as int4's, the fifth and
 // sixth bits added in place (16 and 32), each half block's sum (codes 0-15 in the low nibbles, 16-31 in
 // the high ones) less 32 · that half's Σx, times d·sc of the half.
