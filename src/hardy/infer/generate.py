@@ -13,6 +13,7 @@ from hardy.devices import compute_device, synchronize
 from hardy.errors import HardyError
 from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.kv import PagedKVCache
+from hardy.infer.speculate import kept_tokens
 
 
 @dataclass
@@ -239,10 +240,6 @@ def _speculative_decode(model, cache: PagedKVCache, prompt: list[int], out: list
                                torch.arange(position, position + len(rows), device=cache.pool.device))
         logits = model.logits(hidden[:, -1]).float().cpu()
         speculator.observe_step(time.perf_counter() - t0, 1, len(guesses))
-        pending = []
-        for j in range(len(rows)):
-            pending.append(greedy(logits[j]))
-            if j == len(guesses) or pending[-1] != guesses[j]:
-                break
+        pending = kept_tokens(logits, guesses, greedy)
         if guesses:
             speculator.verified(0, len(guesses), len(pending) - 1)

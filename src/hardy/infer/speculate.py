@@ -83,11 +83,27 @@ class NgramIndex:
         return []
 
 
+def smoothed(old: float | None, new: float) -> float:
+    """An exponential moving average's next value; `new` itself while nothing was measured (None or 0)."""
+    return new if not old else 0.7 * old + 0.3 * new
+
+
+def kept_tokens(logits: torch.Tensor, guesses: list[int], pick) -> list[int]:
+    """A sequence's new tokens from its rows' logits [len(guesses) + 1, V]: row j's token (`pick`) follows
+    guess j, so they are taken while they equal the guesses, and one more."""
+    tokens = []
+    for j in range(len(guesses) + 1):
+        tokens.append(pick(logits[j]))
+        if j == len(guesses) or tokens[-1] != guesses[j]:
+            break
+    return tokens
+
+
 class DraftPolicy:
     """How many tokens to draft for a sequence this step. A drafted row pays when the tokens it returns
     (the sequence's acceptance rate per guess, `rate`) are worth more of the batch's throughput than
-    it and its guess cost: rate^i > batch x (row_s + guess_s) / plain_s for the i-th guess. The costs are measured (smoothed step
-    times); a sequence that stops drafting tries one guess again every RETRY steps."""
+    it and its guess cost: rate^i > batch x (row_s + guess_s) / plain_s for the i-th guess. The costs
+    are measured (smoothed step times); a sequence that stops drafting tries one guess again every RETRY steps."""
 
     DECAY, RETRY = 0.8, 16
 
@@ -101,16 +117,13 @@ class DraftPolicy:
 
     def observe_step(self, seconds: float, batch: int, drafted_rows: int) -> None:
         if not drafted_rows:
-            old = self.plain_s.get(batch)
-            self.plain_s[batch] = seconds if old is None else 0.7 * old + 0.3 * seconds
+            self.plain_s[batch] = smoothed(self.plain_s.get(batch), seconds)
         elif batch in self.plain_s:
-            cost = max(0.0, (seconds - self.plain_s[batch]) / drafted_rows)
-            self.row_s = cost if self.row_s == 0.0 else 0.7 * self.row_s + 0.3 * cost
+            self.row_s = smoothed(self.row_s, max(0.0, (seconds - self.plain_s[batch]) / drafted_rows))
 
     def observe_guesses(self, seconds: float, guesses: int) -> None:
         if guesses:
-            cost = seconds / guesses
-            self.guess_s = cost if self.guess_s == 0.0 else 0.7 * self.guess_s + 0.3 * cost
+            self.guess_s = smoothed(self.guess_s, seconds / guesses)
 
     def rate(self, seq: int) -> float:
         accepted, tried = self.hits.get(seq, (1.0, 1.0))
@@ -178,7 +191,7 @@ class DraftModel:
             tokens += context[fed:]
             positions += range(fed, len(context))
             want.append(len(rows) - 1)
-            self.seen[seq] = list(context)
+            self.seen[seq].extend(context[len(self.seen[seq]):])  # its agreed prefix, then what this pass feeds
             self.sure[seq] = len(context)
         out = {seq: [] for seq in wanted}
         live = list(wanted)

@@ -39,6 +39,7 @@ from hardy.infer.fused_decode import decode_hidden
 from hardy.infer.generate import MIN_TEMPERATURE, SamplingConfig, sample
 from hardy.infer.kv import BLOCK, PagedKVCache
 from hardy.infer.rerank import ScoreRow, score_rows, target_log_likelihood
+from hardy.infer.speculate import kept_tokens
 
 
 class QueueFull(Exception):
@@ -482,20 +483,17 @@ class Engine:
             row += self._take(i, logits[row:], guesses.get(i, []))
 
     def _take(self, i: int, logits: torch.Tensor, guesses: list[int]) -> int:
-        """Slot i's new tokens from its rows' logits: row j gives the token after guess j, so tokens are
-        taken while they match the guesses, and one more. Returns how many rows slot i had."""
-        slot, kept = self.slots[i], 0
-        for j in range(len(guesses) + 1):
-            token = sample(logits[j], slot.request.sampling, slot.request.generator)
+        """Slot i's new tokens from its rows' logits (`kept_tokens`); returns how many rows slot i had."""
+        slot = self.slots[i]
+        req = slot.request
+        taken = kept_tokens(logits, guesses, lambda row: sample(row, req.sampling, req.generator))
+        for token in taken:
             slot.position += 1
             if self._emit(i, token):
-                break
+                return len(guesses) + 1  # finished: its slot, and the speculator's state for it, released
             slot.last = token
-            if j == len(guesses) or token != guesses[j]:
-                break
-            kept += 1
-        if guesses and self.slots[i] is slot:  # (a finished request's slot is already released)
-            self.speculator.verified(i, len(guesses), kept)
+        if guesses:
+            self.speculator.verified(i, len(guesses), len(taken) - 1)
         return len(guesses) + 1
 
     def _loop(self) -> None:

@@ -604,7 +604,8 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    sync.threads.store(omp_get_num_threads(), std::memory_order_relaxed);  // the team OpenMP gave, by each of it
+    // the team OpenMP gave: every thread stores the same size before its first wait
+    sync.threads.store(omp_get_num_threads(), std::memory_order_relaxed);
     run_blocks(*this, s, omp_get_thread_num(), omp_get_num_threads());
   }
 #else

@@ -227,7 +227,7 @@ void int4_rows(const QMatrix& m, int64_t begin, int64_t end, int64_t T, const in
                                                  Y + t * N + i * 8, N, valid);
       t += decltype(r)::value;
     };
-    for (; T - t >= 4;) rows(std::integral_constant<int, 4>{});
+    while (T - t >= 4) rows(std::integral_constant<int, 4>{});
     if (T - t == 3) rows(std::integral_constant<int, 3>{});
     else if (T - t == 2) rows(std::integral_constant<int, 2>{});
     else if (T - t == 1) rows(std::integral_constant<int, 1>{});
