@@ -252,7 +252,7 @@ def _batched_decode(model, prompts, lengths, fused: bool, kv_dtype, steps: int =
     from hardy.infer.fused_decode import decode_hidden
     from hardy.infer.kv import PagedKVCache
 
-    cache = PagedKVCache(model, len(lengths), 64, kv_dtype)
+    cache = PagedKVCache(model, len(lengths), max(64, max(lengths) + steps + 1), kv_dtype)
     try:
         with torch.inference_mode():
             for row, n in enumerate(lengths):
@@ -300,6 +300,21 @@ def test_fused_decode_block_matches_the_modules(ext, int4_and_int8_models, bits,
     finally:
         model._fused_decode = saved
     assert fast == slow
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_long_rows_attended_in_chunks_match_the_modules(ext, int4_and_int8_models, kv):
+    """Past 128 positions the stack attends to a row in chunks whose partial results (largest score,
+    sum, weighted values) are merged (attention.h): rows of three chunks, of one, and of two whose
+    second holds a single position, against the modules' attention over the whole row at once."""
+    from hardy.infer.kv import KV_DTYPES
+
+    model = int4_and_int8_models["4"]
+    prompts = torch.randint(0, model.cfg.vocab_size, (3, 300), generator=torch.Generator().manual_seed(4))
+    lengths = [300, 40, 128]
+    fused = _batched_decode(model, prompts, lengths, True, KV_DTYPES[kv], steps=3)
+    modules = _batched_decode(model, prompts, lengths, False, KV_DTYPES[kv], steps=3)
+    assert (fused - modules).norm() / modules.norm() < 1e-3
 
 
 def test_a_cleared_cache_is_freed_and_a_new_one_read(ext, int4_and_int8_models):
@@ -353,25 +368,26 @@ def _mixed_model(int4_and_int8_models):
     return model
 
 
-def _decode_steps(model, fused: bool, threads: int = 2) -> torch.Tensor:
-    """Two decode steps of two rows after a 10-token prefill: the fused stack's or the modules' states."""
+def _decode_steps(model, fused: bool, threads: int = 2, prefill: int = 10) -> torch.Tensor:
+    """Two decode steps of two rows after a `prefill`-token prefill: the fused stack's or the modules' states."""
     from hardy.infer.fused_decode import decode_hidden
     from hardy.infer.kv import PagedKVCache
 
-    prompts = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    n = prefill
+    prompts = torch.randint(0, model.cfg.vocab_size, (2, n + 2), generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            cache = PagedKVCache(model, 2, 32, torch.float32)
+            cache = PagedKVCache(model, 2, max(32, -(-(n + 2) // 32) * 32), torch.float32)
             try:
                 for row in range(2):
-                    cache.pool.reserve(row, 12)
+                    cache.pool.reserve(row, n + 2)
                 cache.use([0, 1])
-                model.hidden_states(prompts[:, :10], 0)
+                model.hidden_states(prompts[:, :n], 0)
                 steps = []
                 for i in range(2):
-                    tokens, positions = prompts[:, 10 + i:11 + i], torch.tensor([10 + i, 10 + i])
+                    tokens, positions = prompts[:, n + i:n + i + 1], torch.tensor([n + i, n + i])
                     steps.append(decode_hidden(model, tokens, positions) if fused
                                  else model.hidden_states(tokens, positions))
                 return torch.cat(steps, dim=1)
@@ -394,6 +410,9 @@ def test_fused_decode_is_the_same_on_any_number_of_threads(ext, int4_and_int8_mo
     outs = {threads: _decode_steps(model, True, threads) for threads in (1, 2, 3)}
     assert outs[1].abs().sum() > 0
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
+    # rows of three chunks: the threads share one row's chunks, and the merge adds them in chunk order
+    long = {threads: _decode_steps(model, True, threads, prefill=300) for threads in (1, 2, 3)}
+    assert torch.equal(long[1], long[2]) and torch.equal(long[1], long[3])
     if bits == "mixed":
         modules = _decode_steps(model, False)
         assert (outs[2] - modules).norm() / modules.norm() < 1e-3

@@ -28,7 +28,7 @@ CSRC = Path(__file__).with_name("csrc")
 # several translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
 SOURCES = [CSRC / "qgemv.cpp", CSRC / "gguf_tiled.cpp", CSRC / "decode_layer.cpp", CSRC / "moe.cpp",
            CSRC / "bindings.cpp"]
-HEADERS = [CSRC / "qgemv.h", CSRC / "tiles.h", CSRC / "kv.h"]
+HEADERS = [CSRC / "qgemv.h", CSRC / "tiles.h", CSRC / "kv.h", CSRC / "attention.h"]
 _module = None
 _tried = False
 

@@ -55,6 +55,8 @@ def _reserve(nbytes: int, dtype: torch.dtype, device: torch.device):
     if device.type != "cpu":
         return torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device), None
     region = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize), region
 
 

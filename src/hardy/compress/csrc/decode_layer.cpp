@@ -10,8 +10,9 @@
 // and barriers separate the phases. A fork/join per product plus a tensor allocation and an ATen
 // call per elementwise step left the second core idle for about half of a SmolLM2 step
 // (BENCHMARKS.md); nothing inside the region allocates or can throw: every check is made before it.
-#include "kv.h"
+#include "attention.h"
 #include <ATen/Parallel.h>
+#include <memory>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -89,7 +90,7 @@ struct SpinBarrier {
 
 // The sizes of one call and the buffers every phase reads and writes (allocated before the region).
 struct Step {
-  int64_t B, D, hd, S;  // S: positions a row may span (the block table's width x BLOCK)
+  int64_t B, D, hd;
   const int64_t* pos;
   const float *cos, *sin, *cos_local, *sin_local;
   float eps;
@@ -98,7 +99,9 @@ struct Step {
   float *block_scales, *block_sums;
   float* xg;     // per thread: [B, most groups of any matrix]
   int64_t xg_stride;
-  float* probs;  // per thread: [S]
+  float* attn_scratch;  // per thread: a tile of keys as float, the chunk's weights and two numbers per head
+  int64_t attn_scratch_stride, block_floats, most_group_heads;
+  float* partials;  // per (row, KV head, chunk) of a split row: weighted values, largest scores, sums
   const float* const* norms;  // per block: attention and FFN norm weights
   const BlockExtras* extras;       // per block
   // the paged KV cache: [blocks, layers, 2, kv heads, BLOCK, hd] of `kv_type`; row b's i-th block is table[b * width + i]
@@ -147,29 +150,91 @@ inline const void* kv_at(const Step& s, int64_t l, int64_t b, int64_t t, int kv,
   return s.pool + index * (s.kv_type == KVType::F32 ? 4 : 2);
 }
 
-// Row b, head hh attends to its cached positions (the last `window` of them on a sliding layer):
-// for the pairs (b, hh) of this thread.
+// The positions row b attends to on a layer with `window` (0: all): [first, len), in chunks
+// [first / ATTN_CHUNK, last chunk]; each (row, KV head, chunk) is one unit of work.
+struct RowSpan {
+  int64_t first, len, c0, chunks;
+};
+
+inline RowSpan row_span(const Step& s, int64_t b, int64_t window) {
+  const int64_t len = s.pos[b] + 1, first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const int64_t c0 = first / ATTN_CHUNK;
+  return {first, len, c0, (len - 1) / ATTN_CHUNK - c0 + 1};
+}
+
+// What a unit costs the thread that takes it: its positions plus a fixed setup.
+constexpr int64_t UNIT_SETUP = 16;
+
+// One unit: the G query heads of KV head g, row b, chunk c. A row of one chunk writes its heads' outputs;
+// a longer row's units leave partial results for merge_rows.
+template <KVType T>
+void attend_unit(const Step& s, int64_t l, int64_t H, const RowSpan& r, int64_t b, int64_t g, int64_t c,
+                 float* partial, int tid) {
+  const int64_t hd = s.hd, G = H / s.kv_heads;
+  const int64_t t0 = std::max(r.first, c * ATTN_CHUNK), t1 = std::min(r.len, (c + 1) * ATTN_CHUNK);
+  float* scratch = s.attn_scratch + tid * s.attn_scratch_stride;
+  float *kbuf = scratch, *p = scratch + s.block_floats;
+  float* stats = p + s.most_group_heads * ATTN_CHUNK;  // [2, G] when the unit writes outputs
+  float* acc = r.chunks == 1 ? s.attn + (b * H + g * G) * hd : partial;
+  float* mx = r.chunks == 1 ? stats : partial + G * hd;
+  auto at = [&](int64_t t, int kv) { return kv_at(s, l, b, t, kv, g); };
+  attend_chunk<T>(s.q + (b * H + g * G) * hd, G, hd, t0, t1, s.block, at, s.scale, s.softcap, kbuf, p, acc, mx,
+                  mx + G, std::min(r.len, t1 + ATTN_CHUNK));
+  if (r.chunks == 1)
+    for (int64_t h = 0; h < G; ++h) {
+      const float inv = 1.f / mx[G + h];
+      for (int64_t j = 0; j < hd; ++j) acc[h * hd + j] *= inv;
+    }
+}
+
+// Every split row's heads from their chunks: this thread's share of the (row, head) pairs.
+void merge_rows(const Step& s, int64_t H, int64_t window, int tid, int n) {
+  const int64_t hd = s.hd, G = H / s.kv_heads, unit = G * (hd + 2), pairs = s.B * H;
+  int64_t first_unit = 0;
+  for (int64_t b = 0; b < s.B; ++b) {
+    const RowSpan r = row_span(s, b, window);
+    for (int64_t hh = 0; hh < H && r.chunks > 1; ++hh) {
+      const int64_t i = b * H + hh;
+      if (i < pairs * tid / n || i >= pairs * (tid + 1) / n) continue;
+      const int64_t g = hh / G, h = hh % G;
+      const float* P = s.partials + (first_unit + g * r.chunks) * unit;
+      merge_chunks(P + h * hd, P + G * hd + h, P + G * hd + G + h, r.chunks, unit, hd, s.attn + i * hd);
+    }
+    if (r.chunks > 1) first_unit += s.kv_heads * r.chunks;
+  }
+}
+
+// This thread's units of the layer's attention: units are taken in (row, KV head, chunk) order, a unit
+// going to the thread its first unit of cost falls in; then, where a row was split, the merge.
 template <KVType T>
 void attention(const Step& s, int64_t l, int64_t H, int64_t window, int tid, int n) {
-  const int64_t hd = s.hd, pairs = s.B * H, group_heads = H / s.kv_heads;
-  float* p = s.probs + tid * s.S;
-  for (int64_t i = pairs * tid / n; i < pairs * (tid + 1) / n; ++i) {
-    const int64_t b = i / H, hh = i % H, g = hh / group_heads, len = s.pos[b] + 1;
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const float* qv = s.q + (b * H + hh) * hd;
-    float mx = -INFINITY;
-    for (int64_t t = first; t < len; ++t) {
-      float score = kv_dot<T>(qv, kv_at(s, l, b, t, 0, g), hd) * s.scale;
-      if (s.softcap > 0.f) score = s.softcap * std::tanh(score / s.softcap);
-      p[t] = score;
-      mx = std::max(mx, score);
-    }
-    float total = 0.f;
-    for (int64_t t = first; t < len; ++t) { p[t] = std::exp(p[t] - mx); total += p[t]; }
-    float* out = s.attn + (b * H + hh) * hd;
-    for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
-    for (int64_t t = first; t < len; ++t) kv_axpy<T>(out, p[t] / total, kv_at(s, l, b, t, 1, g), hd);
+  const int64_t KVH = s.kv_heads, G = H / KVH, unit = G * (s.hd + 2);
+  int64_t total = 0;
+  bool split = false;
+  for (int64_t b = 0; b < s.B; ++b) {
+    const RowSpan r = row_span(s, b, window);
+    total += KVH * (r.len - r.first + UNIT_SETUP * r.chunks);
+    split = split || r.chunks > 1;
   }
+  const int64_t lo = total * tid / n, hi = total * (tid + 1) / n;
+  int64_t at = 0, first_unit = 0;
+  for (int64_t b = 0; b < s.B && at < hi; ++b) {
+    const RowSpan r = row_span(s, b, window);
+    const int64_t row_cost = KVH * (r.len - r.first + UNIT_SETUP * r.chunks);
+    if (at + row_cost > lo)
+      for (int64_t g = 0, u = first_unit; g < KVH; ++g)
+        for (int64_t c = r.c0; c < r.c0 + r.chunks; ++c, ++u) {
+          const int64_t cost = std::min(r.len, (c + 1) * ATTN_CHUNK) - std::max(r.first, c * ATTN_CHUNK) + UNIT_SETUP;
+          if (at >= lo && at < hi) attend_unit<T>(s, l, H, r, b, g, c, r.chunks > 1 ? s.partials + u * unit : nullptr, tid);
+          at += cost;
+        }
+    else
+      at += row_cost;
+    if (r.chunks > 1) first_unit += KVH * r.chunks;
+  }
+  if (!split) return;
+  s.sync->wait();
+  merge_rows(s, H, window, tid, n);
 }
 
 void attention_any(const Step& s, int64_t l, int64_t H, int64_t window, int tid, int n) {
@@ -524,7 +589,7 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
     for (int64_t i = 0; i <= pos[b] / block; ++i)
       TORCH_CHECK(tab[b * width + i] >= 0 && tab[b * width + i] < pool.size(0), "a block table entry outside the pool");
   }
-  int64_t widest = D, groups = 1, kv_max = 0, experts = 0, top_k = 0, expert_ffn = QK;
+  int64_t widest = D, groups = 1, kv_max = 0, experts = 0, top_k = 0, expert_ffn = QK, heads_max = KVH;
   for (int64_t l = 0; l < L; ++l) {
     const QMatrix* M = mats.data() + first_mat[l];
     const int64_t count = block_matrices(moe.data() + 4 * l);
@@ -532,6 +597,7 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
     widest = std::max({widest, M[0].rows, M[4].rows});
     if (moe[4 * l + 3]) widest = std::max(widest, M[count - 3].rows);  // the shared expert's width
     kv_max = std::max(kv_max, M[1].rows);
+    heads_max = std::max(heads_max, M[0].rows / hd);
     for (int64_t j = 0; j < count; ++j) groups = std::max(groups, M[j].groups);
     if (moe[4 * l]) {
       experts = std::max(experts, moe[4 * l]);
@@ -543,13 +609,18 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
 
   const int threads = std::max(1, at::get_num_threads());
   auto out = x.clone();  // the residual stream, updated in place
-  std::vector<float> floats(B * (2 * D + 4 * widest + 2 * kv_max + 2 * widest / QK) + threads * (B * groups + S) +
+  const int64_t group_heads = heads_max / KVH, scratch = block * hd + group_heads * (ATTN_CHUNK + 2);
+  int64_t split_units = 0;  // every layer attending to all positions: the most partial results a layer leaves
+  for (int64_t b = 0; b < B; ++b)
+    if (pos[b] >= ATTN_CHUNK) split_units += KVH * (pos[b] / ATTN_CHUNK + 1);
+  std::unique_ptr<float[]> partials(split_units ? new float[split_units * group_heads * (hd + 2)] : nullptr);
+  std::vector<float> floats(B * (2 * D + 4 * widest + 2 * kv_max + 2 * widest / QK) + threads * (B * groups + scratch) +
                             B * experts + R + 2 * R * D / QK + 2 * R * expert_ffn / QK + 2 * R * expert_ffn + R * D +
                             threads * R * groups);
   std::vector<int8_t> codes(B * widest), moe_codes(R * (D + expert_ffn));
   std::vector<int64_t> ints(3 * R + 2 * experts + 1);
   std::vector<uint8_t> chosen(experts);
-  Step s{B, D, hd, S, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos_local.data_ptr<float>(),
+  Step s{B, D, hd, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos_local.data_ptr<float>(),
          sin_local.data_ptr<float>(), (float)eps};
   float* f = floats.data();
   auto take = [&](int64_t n) { float* p = f; f += n; return p; };
@@ -566,7 +637,11 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   s.block_sums = take(B * widest / QK);
   s.xg_stride = B * groups;
   s.xg = take(threads * s.xg_stride);
-  s.probs = take(threads * S);
+  s.attn_scratch = take(threads * scratch);
+  s.attn_scratch_stride = scratch;
+  s.block_floats = block * hd;
+  s.most_group_heads = group_heads;
+  s.partials = partials.get();
   s.logits = take(B * experts);
   s.pair_weight = take(R);
   s.moe_scales = take(R * D / QK);
