@@ -11,6 +11,16 @@ import sys
 from conftest import REPO
 
 
+FAULT_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_hooks")
+
+
+def fault_env(spec: str) -> dict:
+    """The environment that makes a served model's passes fail ("prefill@N,decode@M"): the test hook in
+    tests/fault_hooks, loaded at start-up by every process of the server (torchrun's workers too)."""
+    path = os.pathsep.join(filter(None, [FAULT_HOOKS, os.environ.get("PYTHONPATH")]))
+    return {"HARDY_TEST_SERVE_FAULT": spec, "PYTHONPATH": path}
+
+
 class Served:
     def __init__(self, model: str, *extra: str, env: dict | None = None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

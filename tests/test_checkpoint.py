@@ -202,3 +202,22 @@ def test_an_asynchronous_save_reports_its_written_hook_after_the_files_and_its_f
     mgr.close()
     assert [s for s, _ in step_dirs(tmp_path / "checkpoints")] == [1]
     assert not list((tmp_path / "checkpoints").glob(".step_00000002*"))
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/hostname", "link.bin", "."])
+def test_a_manifest_naming_files_outside_its_checkpoint_is_refused(tmp_path, name):
+    """Names in a received manifest are confined to the checkpoint directory: a parent path, an
+    absolute one or a link out of it is refused before any of those bytes are read."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "rank_00000.json").write_text("{}")
+    if name == "link.bin":
+        (ckpt / "link.bin").symlink_to(outside)
+    write_manifest(ckpt)  # a link is listed as any file would be
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"].setdefault(name, {"bytes": 6, "xxh3_128": "0" * 32})
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorrupt, match="outside the checkpoint directory"):
+        verify_manifest(ckpt)

@@ -110,13 +110,25 @@ def test_hang_dumps_stacks_and_the_launcher_restarts(tmp_path, micro_dataset):
 
 
 def test_auto_interval_checkpoints_by_young_daly(tmp_path, micro_dataset):
+    """checkpoint.interval=auto: a first save at step 1 measures the stall, then each save comes at the
+    first step at which the Daly optimum for the last stall and the job's MTBF has passed since the
+    one before: never sooner, and no later than the step after the one that reached it."""
+    from hardy.fault.policy import daly_interval
+
     run = tmp_path / "run"
-    # a 0.2-second job MTBF makes the optimum interval about 0.1 s: a save every few micro steps
+    mtbf_s = 0.2  # a 0.2-second job MTBF makes the optimum about 0.1 s: a save every few micro steps
     launch(run, micro_dataset, 1, "train.steps=60", "checkpoint.interval=auto",
-           f"checkpoint.device_mtbf_hours={0.2 / 3600}", "checkpoint.keep=100", "checkpoint.at_end=false")
-    saves = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    saves = [r for r in saves if r["event"] == "checkpoint"]
+           f"checkpoint.device_mtbf_hours={mtbf_s / 3600}", "checkpoint.keep=100", "checkpoint.at_end=false")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if r["event"] == "checkpoint"]
+    step_time = {r["step"]: r["time"] for r in records if r["event"] == "step"}
     assert saves[0]["step"] == 1 and len(saves) >= 3
+    slack = 0.005  # between a save's end and its event line
+    for before, save in zip(saves, saves[1:]):
+        interval = daly_interval(max(before["stall_s"], 1e-3), mtbf_s)
+        assert save["time"] - before["time"] >= interval - slack, (before, save, interval)
+        if save["step"] - 2 > before["step"]:  # the step before the saving one had not reached the interval
+            assert step_time[save["step"] - 2] - before["time"] < interval + slack, (before, save, interval)
 
 
 @pytest.mark.parametrize("layout", ["single", "ddp2"])

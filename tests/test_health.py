@@ -9,6 +9,8 @@ import sys
 import time
 import types
 
+import pytest
+
 from conftest import REPO
 from hardy.fault.straggler import find_stragglers
 from hardy.ops.telemetry import GpuSensors, HealthWarnings, TelemetrySampler, Thresholds, take_sample
@@ -166,3 +168,19 @@ def test_injected_slow_rank_is_named_in_its_window_and_a_persistent_one_stops_th
     assert "rank 1 was a straggler" in proc.stdout + proc.stderr and "3 windows in a row" in proc.stdout + proc.stderr
     # stopped at the end of step 60, the third window's last, before its step record
     assert max(r["step"] for r in records if r["event"] == "step") == 59
+
+
+def test_a_reading_the_binding_lacks_is_absent_and_a_failing_decoder_is_not_hidden(tmp_path):
+    """A call missing from an older nvidia-ml-py is an absent reading; an AttributeError raised while a
+    present call runs is a defect, and it surfaces instead of reading as "unsupported"."""
+    nvml = fake_nvml(temps=[70], ecc=[3])
+    del nvml.nvmlDeviceGetPcieThroughput  # this binding predates the call
+    s = take_sample(tmp_path, GpuSensors(nvml, 0))
+    assert s["pcie_tx_bytes_s"] is None and "pcie_tx_bytes_s" in s["absent"] and s["gpu_temp_c"] == 70
+
+    def broken(handle):
+        return types.SimpleNamespace().used  # a decoding bug: AttributeError from inside the call
+
+    nvml.nvmlDeviceGetMemoryInfo = broken
+    with pytest.raises(AttributeError):
+        take_sample(tmp_path, GpuSensors(nvml, 0))

@@ -45,6 +45,13 @@ def test_predicted_peak_memory_within_15_percent(tmp_path, micro_dataset, probe_
         assert proc.returncode == 0, proc.stderr
         quantities = {r["quantity"] for r in json.loads(proc.stdout)}
         assert {"peak memory per process", "step time", "tokens/s"} <= quantities
+        # a run killed in the middle of writing a line: the check reads the whole lines, as before
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write('{"event": "step", "step": 3, "loss": 2.')
+        again = subprocess.run([sys.executable, "-m", "hardy", "plan", "check", str(run), "--hardware", spec, "--json"],
+                               capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert again.returncode == 0, again.stderr
+        assert [r["measured"] for r in json.loads(again.stdout)] == [r["measured"] for r in json.loads(proc.stdout)]
 
 
 def test_check_refuses_what_is_not_a_run(tmp_path, probe_profile):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import Served
+from serving import Served, fault_env
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -206,21 +206,28 @@ def fuzz(served) -> None:
 
 
 def test_an_engine_failure_is_a_500_and_the_server_serves_on(mini_run):
-    """The 2nd prefill and the 6th decode pass raise (HARDY_SERVE_FAULT): those requests get 500 JSON
-    errors, the requests around them are answered."""
-    s = Served(str(mini_run / "run"), "--max-tokens", "16", env={"HARDY_SERVE_FAULT": "prefill@2,decode@6"})
+    """The 2nd prefill and the 6th decode pass raise (a test hook, tests/fault_hooks): those requests get
+    500 JSON errors that name no internals (the cause goes to the server's log under the request's id),
+    the requests around them are answered."""
+    s = Served(str(mini_run / "run"), "--max-tokens", "16", env=fault_env("prefill@2,decode@6"))
     try:
-        statuses = []
+        statuses, messages = [], []
         for _ in range(4):  # 4 tokens each: one prefill and 3 decode passes
             status, _, body = s.json("POST", "/v1/completions", {"prompt": "KING:", "max_tokens": 4})
             statuses.append(status)
             if status == 500:
-                assert body["error"]["type"] == "server_error" and "injected fault" in body["error"]["message"]
+                assert body["error"]["type"] == "server_error"
+                messages.append(body["error"]["message"])
         assert statuses == [200, 500, 500, 200]
+        assert all("injected fault" not in m and "RuntimeError" not in m and "internal error" in m for m in messages)
         values = scrape(s)
         assert values[("hardy_http_requests_total", (("route", "/v1/completions"), ("status", "500")))] == 2
     finally:
         s.stop()
+    log = s.stderr
+    for m in messages:  # "... the server log has the cause under request N": that line names the fault
+        label = m.rsplit("under ", 1)[1].rstrip(")")
+        assert any(label + ":" in line and "injected fault" in line for line in log.splitlines()), log
 
 
 def test_tp_rank0_failure_stops_every_worker(mini_run):
@@ -228,10 +235,10 @@ def test_tp_rank0_failure_stops_every_worker(mini_run):
     500, rank 0 exits, and rank 1 (its collective ended by the closed connection) exits too — well
     before the process group's 10-minute timeout."""
     s = Served(str(mini_run / "run"), "--tp", "2", "--threads", "2", "--max-tokens", "16",
-               env={"HARDY_SERVE_FAULT": "decode@3"})
+               env=fault_env("decode@3"))
     try:
         status, _, body = s.json("POST", "/v1/completions", {"prompt": "KING:", "max_tokens": 8})
-        assert status == 500 and "injected fault" in body["error"]["message"]
+        assert status == 500 and "internal error" in body["error"]["message"]
         code = s.proc.wait(timeout=60)
         stderr = s.proc.stderr.read()
         assert code != 0 and "the engine failed" in stderr and "this worker stops too" in stderr, stderr

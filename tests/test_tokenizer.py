@@ -82,3 +82,23 @@ def test_stream_decoder_joins_multibyte_characters(tok):
     text = "naïve café — 日本語 🙂"
     stream = tok.stream_decoder()
     assert "".join(stream.step(i) for i in tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("damage", ['{"bos_token": "<s>", ', '["not", "an", "object"]', b"\xff\xfe{}"])
+def test_a_damaged_tokenizer_config_is_one_line_naming_the_file(family_dirs, tmp_path, damage):
+    """A model directory whose tokenizer_config.json is cut short, not an object or not UTF-8: the
+    command stops with exit code 2 and one line naming that file, not a JSON traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    model = tmp_path / "m"
+    shutil.copytree(family_dirs["llama"], model)
+    config = model / "tokenizer_config.json"
+    config.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+    proc = subprocess.run([sys.executable, "-m", "hardy", "generate", "--model", str(model), "--prompt", "hi",
+                           "--max-new-tokens", "2"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and str(config) in proc.stderr

@@ -5,10 +5,33 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
 from hardy.errors import HardyError
+
+
+def parse_json_lines(text: str) -> list[dict]:
+    """The JSON objects of an append-only log, one per line (metrics.jsonl, telemetry and hang files).
+    A line cut short is skipped: a writer killed mid-line leaves one, and the next writer appends after
+    it, so it can sit anywhere. So is a value that is not an object."""
+    out = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """parse_json_lines of a file; [] where there is none."""
+    path = Path(path)
+    return parse_json_lines(path.read_text(errors="replace")) if path.is_file() else []
 
 
 def fsync_path(path: Path) -> None:
@@ -25,9 +48,11 @@ def atomic_file(path: str | os.PathLike, durable: bool = True):
     """An open binary file whose contents appear at `path` only once the block completes (temporary
     sibling, fsync unless durable=False, rename); on an exception the temporary is removed."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a name of this writer's own: two writers of one path (two ranks, a retry beside a late first try)
+    # must not truncate each other's bytes or rename each other's file away
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             yield f
             f.flush()
             if durable:

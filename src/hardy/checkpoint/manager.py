@@ -191,8 +191,15 @@ def _listed_files(directory: Path) -> dict:
     try:
         manifest = json.loads(manifest_file.read_text())
         files = manifest["files"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointCorrupt(f"{manifest_file}: unreadable manifest ({e})") from None
+    if not isinstance(files, dict):
+        raise CheckpointCorrupt(f"{manifest_file}: unreadable manifest (its files are not an object)")
+    root = directory.resolve()
+    for name in files:  # a manifest must not make the loader read (or checksum) files anywhere else
+        target = (directory / name).resolve()
+        if Path(name).is_absolute() or target == root or not target.is_relative_to(root):
+            raise CheckpointCorrupt(f"{manifest_file}: {name!r} is outside the checkpoint directory")
     present = {str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file()} - {MANIFEST, COMPLETE}
     extra = sorted(present - set(files))
     if extra:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hardy.fault.inject import LEDGER
+from hardy.fsio import parse_json_lines
 
 ARROW = "→"
 
@@ -54,13 +55,7 @@ class RunWatcher:
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
         self._offset += end
-        out = []
-        for line in data[:end].decode(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a SIGKILL
-        return out
+        return parse_json_lines(data[:end].decode(errors="replace"))
 
     def _take_fired(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
         """(kind, step, rank) of the injected faults of these kinds that fired since they were last
@@ -89,11 +84,7 @@ class RunWatcher:
         for path in sorted(Path(self.run_dir).glob("hang_rank*.jsonl")):
             lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
             seen = self._hangs.get(path.name, 0)
-            for line in lines[seen:]:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+            out += parse_json_lines("\n".join(lines[seen:]))
             self._hangs[path.name] = len(lines)
         return out
 

@@ -7,7 +7,6 @@ and kept in RUN_DIR/demo.json.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from hardy.demo.events import Incident, RunWatcher
 from hardy.errors import HardyError
 from hardy.eval.compare import measure_speed, quality, size_on_disk
 from hardy.fault.goodput import account, read_events
-from hardy.fsio import write_json_atomic
+from hardy.fsio import read_json_lines, write_json_atomic
 from hardy.infer.generate import SamplingConfig, generate
 from hardy.loading.load import load_model, set_threads
 from hardy.model.config import count_parameters, get_preset
@@ -324,23 +323,9 @@ def prepare_run_dir(run_dir: Path) -> None:
 
 def telemetry(train_dir: Path) -> dict[str, list[dict]]:
     """Every rank's telemetry samples: rank 0's from the metrics stream, the others' from their files."""
-    out: dict[str, list[dict]] = {"0": []}
-    path = train_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines():
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if e.get("event") == "telemetry":
-            out["0"].append(e)
+    out = {"0": [e for e in read_json_lines(train_dir / "metrics.jsonl") if e.get("event") == "telemetry"]}
     for f in sorted(train_dir.glob("telemetry_rank*.jsonl")):
-        rank = f.stem.removeprefix("telemetry_rank")
-        out[rank] = []
-        for line in f.read_text().splitlines():
-            try:
-                out[rank].append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        out[f.stem.removeprefix("telemetry_rank")] = read_json_lines(f)
     return out
 
 

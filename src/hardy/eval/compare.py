@@ -23,6 +23,7 @@ from tqdm import tqdm
 from hardy.devices import compute_device
 from hardy.errors import HardyError
 from hardy.eval.perplexity import chunk_batches, paired_difference, plan_chunks, summarize
+from hardy.fsio import atomic_file
 from hardy.infer.generate import SamplingConfig, generate
 from hardy.loading.load import config_for, load_model, resolve_source, set_threads
 from hardy.model.config import count_parameters
@@ -174,10 +175,9 @@ def plot(rows: list[CompareRow], out: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_file(out, durable=False) as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def format_table(rows: list[CompareRow]) -> str:

@@ -13,33 +13,21 @@ survived (it was not skipped, recomputed after a crash, or undone by a rollback)
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from hardy.fsio import read_json_lines
 
 LOSS_KEYS = ("restarts", "hang_detect", "recomputed", "rollbacks", "skipped", "checkpoints", "other")
 
 
 def read_events(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a SIGKILL
-    return events
+    return read_json_lines(Path(run_dir) / "metrics.jsonl")
 
 
 def hang_detect_time(run_dir: Path) -> float:
     total = 0.0
     for f in Path(run_dir).glob("hang_rank0.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                total += json.loads(line)["detect_s"]
-            except (json.JSONDecodeError, KeyError):
-                continue
+        total += sum(e["detect_s"] for e in read_json_lines(f) if isinstance(e.get("detect_s"), (int, float)))
     return total
 
 

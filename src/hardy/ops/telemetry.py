@@ -82,9 +82,12 @@ class GpuSensors:
             self.events = None
 
     def _read(self, name: str, *args):
+        call = getattr(self.nvml, name, None)  # absent from an older nvidia-ml-py: not read
+        if call is None:
+            return None
         try:
-            return getattr(self.nvml, name)(self.handle, *args)
-        except (self.nvml.NVMLError, AttributeError):  # not supported here (or by this driver)
+            return call(self.handle, *args)
+        except self.nvml.NVMLError:  # not supported by this GPU or driver
             return None
 
     def _xids(self) -> list[int] | None:

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.fsio import read_json_lines
 from hardy.model.config import ModelConfig
 from hardy.plan.arch import arch_from_llama
 from hardy.plan.hardware import Hardware
@@ -18,7 +19,9 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     run_dir = Path(run_dir)
     try:
         config = json.loads((run_dir / "config.json").read_text())
-        events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise FileNotFoundError(2, "missing", str(run_dir / "metrics.jsonl"))
+        events = read_json_lines(run_dir / "metrics.jsonl")
     except FileNotFoundError as e:
         raise HardyError(f"{run_dir} is not a hardy run directory (missing {Path(e.filename).name})") from None
     except (OSError, ValueError) as e:

@@ -29,7 +29,7 @@ from hardy.serve.rerank import Reranker
 from hardy.serve.schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
                                  ErrorResponse, Health, ModelList, RerankRequest, RerankResponse)
 from hardy.serve.transport import (ApiError, AsyncEvents, BodyGuard, check_model_name, error_payload,
-                                   submit_to_engine)
+                                   internal_error, submit_to_engine)
 
 MAX_BODY = 1 << 20
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
@@ -109,9 +109,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int
             response.headers["Connection"] = "close"
         return response
 
+    unexpected_ids = iter(range(1, 1 << 62))
+
     @app.exception_handler(Exception)
     async def unexpected(_, e: Exception):
-        return _error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        error = internal_error("the request failed", f"{type(e).__name__}: {e}", f"error-{next(unexpected_ids)}")
+        return _error_response(error.status, error.message, error.code)
 
     @app.post("/v1/completions", response_model=Completion, responses={**ERRORS, **STREAMED})
     async def completions(body: CompletionRequest, request: HttpRequest):
@@ -224,7 +227,7 @@ class _Api:
         while True:
             kind, value = await request.events.get()
             if kind == "error":
-                raise ApiError(500, f"generation failed: {value}", "server_error")
+                raise internal_error("generation failed", str(value), f"request {request.id}")
             if kind == "done":
                 yield scanner.flush(), "length" if value == "length" else "stop"
                 return

@@ -19,13 +19,11 @@ steps of the running generations, over the same weights.
 A forward pass that raises fails the requests it was for (their clients get a 500) and the engine
 serves on. Under `serve --tp` it cannot: the other ranks are left inside that pass's collectives, so
 the runner declares itself `fatal`, every request is failed and the engine stops (`failed` says why).
-`HARDY_SERVE_FAULT="prefill@N,decode@M"` makes the N-th prefill and the M-th decode pass raise, to
-test all this.
+(The serving tests make passes fail through a start-up hook of their own, tests/fault_hooks.)
 """
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 import time
@@ -52,21 +50,6 @@ class ShuttingDown(Exception):
 
 class EngineFailed(Exception):
     pass
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-def _faults_from_env() -> set[tuple[str, int]]:
-    spec = os.environ.get("HARDY_SERVE_FAULT", "")
-    faults = set()
-    for item in filter(None, spec.split(",")):
-        kind, _, n = item.strip().partition("@")
-        if kind not in ("prefill", "decode") or not n.isdigit() or int(n) < 1:
-            raise HardyError(f"HARDY_SERVE_FAULT={spec!r}: expected prefill@N or decode@N (N >= 1), comma-separated")
-        faults.add((kind, int(n)))
-    return faults
 
 
 @dataclass
@@ -167,18 +150,11 @@ class ModelRunner:
     def __init__(self, model, max_batch: int, context: int, kv_dtype: torch.dtype = torch.bfloat16,
                  capacity: int | None = None):
         self.model = model
-        self._faults = _faults_from_env()
-        self._passes = {"prefill": 0, "decode": 0}
         self.device = compute_device(model)
         self.cache = PagedKVCache(model, max_batch, context, kv_dtype, capacity)
         self.pool = self.cache.pool
         self._layers = [layer.attention.kv_cache for layer in model.layers]
         self.promised = [0] * max_batch  # blocks each sequence may still grow to (admission)
-
-    def _maybe_fail(self, kind: str) -> None:
-        self._passes[kind] += 1
-        if (kind, self._passes[kind]) in self._faults:
-            raise InjectedFault(f"injected fault in {kind} pass {self._passes[kind]} (HARDY_SERVE_FAULT)")
 
     def fits(self, tokens: int) -> bool:
         """Can a sequence of up to `tokens` positions start now without the pool running out later?"""
@@ -188,7 +164,6 @@ class ModelRunner:
     def prefill(self, row: int, prompt: torch.Tensor, budget: int | None = None, start: int = 0) -> torch.Tensor:
         """Write `prompt` [1, L] into sequence `row` at positions start.. (start 0: a new sequence, which
         may grow to `budget` positions; later chunks continue it); the logits after its last token [V]."""
-        self._maybe_fail("prefill")
         if start == 0:
             self.pool.release(row)  # a follower learns of a finished sequence here
             self.promised[row] = -(-(budget or prompt.shape[1]) // BLOCK)
@@ -202,7 +177,6 @@ class ModelRunner:
         """One token per row (tokens [n, 1] at positions [n]) of sequences `rows`; the logits of the batch
         rows `want` (default all) [len(want), V]. A sequence may fill several rows (prompt tokens riding
         along at consecutive positions): each row sees the keys up to its own position."""
-        self._maybe_fail("decode")
         for row, position in zip(rows, positions.tolist()):
             self.pool.reserve(row, position + 1)
         self.cache.use(rows)

@@ -9,7 +9,7 @@ from hardy.errors import HardyError
 from hardy.infer.rerank import QLMScorer, ScoreRow
 from hardy.serve.engine import Engine, ScoreRequest
 from hardy.serve.schemas import RerankRequest
-from hardy.serve.transport import ApiError, AsyncEvents, check_model_name, submit_to_engine
+from hardy.serve.transport import ApiError, AsyncEvents, check_model_name, internal_error, submit_to_engine
 
 
 class Reranker:
@@ -33,7 +33,7 @@ class Reranker:
         submit_to_engine(self.engine, job)
         kind, value = await events.get()
         if kind != "scores":
-            raise ApiError(500, f"scoring failed: {value}", "server_error")
+            raise internal_error("scoring failed", str(value), request_id)
         n_query = len(rows[0].target)
         order = sorted(range(len(rows)), key=lambda i: -value[i])[:body.top_n or len(rows)]
         texts = body.texts()

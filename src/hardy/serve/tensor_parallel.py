@@ -103,7 +103,6 @@ def follow(model, max_batch: int, context: int, kv_dtype: torch.dtype = torch.bf
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # rank 0 decides when serving ends
     runner = ModelRunner(model, max_batch, context, kv_dtype, capacity)
-    runner._faults = set()  # injected faults (HARDY_SERVE_FAULT) are rank 0's
     try:
         while True:
             header = torch.empty(5, dtype=torch.long)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import signal
 import socket
+import sys
 import threading
 from typing import Callable
 
@@ -68,6 +69,14 @@ def submit_to_engine(engine, request) -> None:
         raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=5) from None
     except EngineFailed as e:
         raise ApiError(503, f"the engine has failed: {e}", "engine_failed") from None
+
+
+def internal_error(what: str, cause: str, request_id: str) -> ApiError:
+    """A 500 whose cause goes to the server's log, one line under the request's id, and not to the
+    client: exception text can name files, paths and internals the client has no business seeing."""
+    first = cause.strip().splitlines()[0] if cause.strip() else "no detail"
+    print(f"hardy serve: {request_id}: {what}: {first}", file=sys.stderr, flush=True)
+    return ApiError(500, f"{what}: internal error (the server log has the cause under {request_id})", "server_error")
 
 
 def error_payload(status: int, message: str, code: str, param: str | None = None) -> dict:
