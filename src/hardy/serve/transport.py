@@ -67,8 +67,9 @@ def submit_to_engine(engine, request) -> None:
         raise ApiError(503, "the request queue is full; retry shortly", "queue_full", retry_after=1) from None
     except ShuttingDown:
         raise ApiError(503, "the server is shutting down", "shutting_down", retry_after=5) from None
-    except EngineFailed as e:
-        raise ApiError(503, f"the engine has failed: {e}", "engine_failed") from None
+    except EngineFailed:  # why is the server's own stderr line ("the engine failed (...); stopping")
+        raise ApiError(503, "the engine has failed and the server is stopping (its log says why)",
+                       "engine_failed") from None
 
 
 def internal_error(what: str, cause: str, request_id: str) -> ApiError:
