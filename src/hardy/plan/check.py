@@ -19,13 +19,13 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     run_dir = Path(run_dir)
     try:
         config = json.loads((run_dir / "config.json").read_text())
-        if not (run_dir / "metrics.jsonl").is_file():
-            raise FileNotFoundError(2, "missing", str(run_dir / "metrics.jsonl"))
-        events = read_json_lines(run_dir / "metrics.jsonl")
     except FileNotFoundError as e:
         raise HardyError(f"{run_dir} is not a hardy run directory (missing {Path(e.filename).name})") from None
     except (OSError, ValueError) as e:
         raise HardyError(f"{run_dir}: unreadable run files ({e})") from None
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise HardyError(f"{run_dir} is not a hardy run directory (missing metrics.jsonl)")
+    events = read_json_lines(run_dir / "metrics.jsonl")
     if "resolved" not in config:
         raise HardyError(f"{run_dir}/config.json has no resolved section (not written by hardy train)")
     return config, events

@@ -12,10 +12,10 @@
 // (BENCHMARKS.md); nothing inside the region allocates or can throw: every check is made before it.
 #include "attention.h"
 #include <ATen/Parallel.h>
-#include <memory>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -100,7 +100,7 @@ struct Step {
   float* xg;     // per thread: [B, most groups of any matrix]
   int64_t xg_stride;
   float* attn_scratch;  // per thread: a tile of keys as float, the chunk's weights and two numbers per head
-  int64_t attn_scratch_stride, block_floats, most_group_heads;
+  int64_t attn_scratch_stride, most_group_heads;
   float* partials;  // per (row, KV head, chunk) of a split row: weighted values, largest scores, sums
   const float* const* norms;  // per block: attention and FFN norm weights
   const BlockExtras* extras;       // per block
@@ -154,6 +154,8 @@ inline const void* kv_at(const Step& s, int64_t l, int64_t b, int64_t t, int kv,
 // [first / ATTN_CHUNK, last chunk]; each (row, KV head, chunk) is one unit of work.
 struct RowSpan {
   int64_t first, len, c0, chunks;
+  int64_t begin(int64_t c) const { return std::max(first, c * ATTN_CHUNK); }  // chunk c's positions
+  int64_t end(int64_t c) const { return std::min(len, (c + 1) * ATTN_CHUNK); }
 };
 
 inline RowSpan row_span(const Step& s, int64_t b, int64_t window) {
@@ -171,9 +173,9 @@ template <KVType T>
 void attend_unit(const Step& s, int64_t l, int64_t H, const RowSpan& r, int64_t b, int64_t g, int64_t c,
                  float* partial, int tid) {
   const int64_t hd = s.hd, G = H / s.kv_heads;
-  const int64_t t0 = std::max(r.first, c * ATTN_CHUNK), t1 = std::min(r.len, (c + 1) * ATTN_CHUNK);
+  const int64_t t0 = r.begin(c), t1 = r.end(c);
   float* scratch = s.attn_scratch + tid * s.attn_scratch_stride;
-  float *kbuf = scratch, *p = scratch + s.block_floats;
+  float *kbuf = scratch, *p = scratch + s.block * hd;
   float* stats = p + s.most_group_heads * ATTN_CHUNK;  // [2, G] when the unit writes outputs
   float* acc = r.chunks == 1 ? s.attn + (b * H + g * G) * hd : partial;
   float* mx = r.chunks == 1 ? stats : partial + G * hd;
@@ -224,9 +226,9 @@ void attention(const Step& s, int64_t l, int64_t H, int64_t window, int tid, int
     if (at + row_cost > lo)
       for (int64_t g = 0, u = first_unit; g < KVH; ++g)
         for (int64_t c = r.c0; c < r.c0 + r.chunks; ++c, ++u) {
-          const int64_t cost = std::min(r.len, (c + 1) * ATTN_CHUNK) - std::max(r.first, c * ATTN_CHUNK) + UNIT_SETUP;
-          if (at >= lo && at < hi) attend_unit<T>(s, l, H, r, b, g, c, r.chunks > 1 ? s.partials + u * unit : nullptr, tid);
-          at += cost;
+          if (at >= lo && at < hi)
+            attend_unit<T>(s, l, H, r, b, g, c, r.chunks > 1 ? s.partials + u * unit : nullptr, tid);
+          at += r.end(c) - r.begin(c) + UNIT_SETUP;
         }
     else
       at += row_cost;
@@ -639,7 +641,6 @@ at::Tensor DecodeStack::operator()(at::Tensor x, at::Tensor positions, at::Tenso
   s.xg = take(threads * s.xg_stride);
   s.attn_scratch = take(threads * scratch);
   s.attn_scratch_stride = scratch;
-  s.block_floats = block * hd;
   s.most_group_heads = group_heads;
   s.partials = partials.get();
   s.logits = take(B * experts);
