@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, llama_bench, llama_cpp_label, median_ci  # noqa: E402
+from results import record, slug  # noqa: E402
 
 
 def in_process(args, cache: dict = {}) -> float:  # noqa: B006 (the loaded model, kept between calls)
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--fresh", action="store_true", help="each hardy repetition in a fresh process")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--record", action="store_true", help="write the ratio to bench/results/ (BENCHMARKS.md's table)")
+    ap.add_argument("--goal", type=float, default=None, help="with --record: the goal's lower bound on the ratio")
+    ap.add_argument("--issue", type=int, default=40, help="with --record: the issue that set the goal")
     args = ap.parse_args()
 
     from hardy.loading.load import resolve_source
@@ -85,6 +89,12 @@ def main() -> None:
     print(f"| llama.cpp llama-bench (f16 KV) | {fmt(*c)} |\n| hardy ({args.kv_dtype} KV) | {fmt(*h)} |")
     print(f"ratio hardy / llama.cpp, per alternating pair: {fmt(*ratios, digits=2)}"
           f"{' (hardy: a fresh process per repetition)' if args.fresh else ''}")
+    if args.record:
+        record(f"decode-vs-llama-bench-{slug(str(path))}", issue=args.issue,
+               goal=f"Decode tg{args.new_tokens}, {path.name}, {args.threads} threads, vs llama-bench",
+               target=None if args.goal is None else (">=", args.goal), figure=f"{h[0]:.1f} tok/s",
+               baseline=f"llama-bench {c[0]:.1f} tok/s", ratio=ratios, runs=args.reps,
+               note=llama_cpp_label() + ("; hardy a fresh process per run" if args.fresh else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "file": str(path), "threads": args.threads,
                                                "hardy": ours, "llama_cpp": theirs, "cpu": cpu_line(),

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, median_ci  # noqa: E402
+from results import record, slug  # noqa: E402
 
 
 def fill_random(pool, generator: torch.Generator) -> None:
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv", default="bf16", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument("--record", action="store_true", help="write each context's ratio to bench/results/ "
+                    "(BENCHMARKS.md's table)")
     args = ap.parse_args()
     from hardy.infer.fused_decode import fused_blocks
     from hardy.infer.kv import KV_DTYPES, PagedKVCache
@@ -76,6 +79,12 @@ def main() -> None:
     for c in contexts:
         ratio = median_ci([a / b for a, b in zip(samples[c], samples[base])])
         print(f"| {c} | {fmt(*median_ci(samples[c]), digits=2)} | {fmt(*ratio, digits=2)} |")
+        if args.record and c != base:
+            record(f"long-context-{slug(args.model)}-{c}", issue=40,
+                   goal=f"Decode at {c:,} positions of context / at {base:,}, {Path(args.model).name}, KV {args.kv}",
+                   target=(">=", 0.7) if (c, base) == (8192, 512) else None,
+                   figure=f"{median_ci(samples[c])[0]:.2f} tok/s", baseline=f"{median_ci(samples[base])[0]:.2f} tok/s "
+                   f"at {base}", ratio=ratio, runs=args.reps)
 
 
 if __name__ == "__main__":

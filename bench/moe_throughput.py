@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, llama_bench, llama_cpp_label, median_ci  # noqa: E402
+from results import record, slug  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -42,6 +43,27 @@ def hardy_run(path: Path, threads: int, prompt: int, new_tokens: int, batch: int
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def record_goals(args, path: Path, ours: list, theirs: list, runs: list, gain: tuple, rss: tuple) -> None:
+    """The three ratios against their goals (issue 38's by default: prefill >= 1.0x llama-bench's, batch 8
+    >= 3x batch 1, peak RSS <= 1.1x file + KV; a goal of 0 records the ratio without one)."""
+    name, note = slug(str(path)), llama_cpp_label()
+
+    def goal(op: str, value: float):
+        return (op, value) if value else None
+
+    record(f"prefill-vs-llama-bench-{name}", issue=args.issue, goal=f"Prefill pp{args.prompt}, {path.name}, "
+           f"{args.threads} threads, vs llama-bench", target=goal(">=", args.prefill_goal),
+           figure=f"{median_ci(ours)[0]:.1f} tok/s", baseline=f"llama-bench {median_ci(theirs)[0]:.1f} tok/s",
+           ratio=median_ci([a / b for a, b in zip(ours, theirs)]), runs=args.reps, note=note)
+    record(f"batch{args.batch}-vs-batch1-{name}", issue=args.issue, goal=f"Batch-{args.batch} decode throughput / "
+           f"batch 1, {path.name}", target=goal(">=", args.batch_goal),
+           figure=f"{median_ci([r['batch_tps'] for r in runs])[0]:.1f} tok/s",
+           baseline=f"batch 1 {median_ci([r['batch1_step_tps'] for r in runs])[0]:.1f} tok/s", ratio=gain,
+           runs=args.reps)
+    record(f"peak-rss-{name}", issue=args.issue, goal=f"Peak RSS / (file + KV), {path.name}",
+           target=goal("<=", args.rss_goal), figure=None, baseline=None, ratio=rss, runs=args.reps, digits=3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a GGUF file")
@@ -52,6 +74,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pause", type=float, default=2.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--record", action="store_true", help="write the three ratios to bench/results/ "
+                    "(BENCHMARKS.md's table)")
+    ap.add_argument("--issue", type=int, default=38, help="with --record: the issue that set the goals")
+    ap.add_argument("--prefill-goal", type=float, default=1.0, help="with --record: the prefill ratio's lower bound")
+    ap.add_argument("--batch-goal", type=float, default=3.0, help="with --record: batch / batch 1's lower bound")
+    ap.add_argument("--rss-goal", type=float, default=1.1, help="with --record: peak RSS / (file + KV)'s upper bound")
     args = ap.parse_args()
     path = Path(args.model)
     if not path.is_file():
@@ -81,6 +109,8 @@ def main() -> None:
     print(f"| hardy batch 1 (same serving step), tokens/s | {fmt(*median_ci([r['batch1_step_tps'] for r in runs]))} |")
     print(f"| batch {args.batch} / batch 1 throughput | {fmt(*gain, digits=2)} |")
     print(f"| hardy peak RSS / (file + {kv / 2 ** 20:.0f} MiB fp32 KV) | {fmt(*rss, digits=3)} |")
+    if args.record:
+        record_goals(args, path, ours, theirs, runs, gain, rss)
     if args.json:
         Path(args.json).write_text(json.dumps({"file": str(path), "bytes": size, "kv_bytes": kv, "threads": args.threads,
                                                "llama_bench_pp": theirs, "hardy": runs, "cpu": cpu_line(),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, median_ci  # noqa: E402
+from results import record, slug  # noqa: E402
 from serve_load import start  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", default="auto,0", help="--prefill-chunk values, alternated")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--record", action="store_true", help="write each mode's p99 ratio to bench/results/ "
+                    "(BENCHMARKS.md's table)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     from hardy.data.text import resolve_text_path
@@ -147,6 +150,13 @@ def main() -> None:
               f"| {fmt(*median_ci([r['p99_during'] * 1e3 for r in rows]), digits=0)} "
               f"| {fmt(*median_ci([r['ratio'] for r in rows]), digits=2)} "
               f"| {fmt(*median_ci([r['ttft_long'] for r in rows]))} |")
+        if args.record:
+            record(f"chunked-prefill-{slug(args.model)}-{mode}", issue=40,
+                   goal=f"Streams' p99 token gap while a {rows[0]['prompt_tokens']:,}-token prompt is admitted / "
+                   f"before, --prefill-chunk {mode}, {args.model}", target=("<=", 2.0),
+                   figure=f"{median_ci([r['p99_during'] * 1e3 for r in rows])[0]:.0f} ms",
+                   baseline=f"{median_ci([r['p99_before'] * 1e3 for r in rows])[0]:.0f} ms before",
+                   ratio=median_ci([r["ratio"] for r in rows]), runs=args.reps)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from native import cpu_line, fmt, median_ci  # noqa: E402
+from results import record, slug  # noqa: E402
 
 CODE = '''import json
 from pathlib import Path
@@ -115,6 +116,17 @@ def batch4(loaded, prompts, spec, new_tokens) -> float:
     return len(later) / (max(later) - start)
 
 
+def record_row(row: dict) -> None:
+    """Issue 40's goal for the row: >= 1.5x with much to copy, <= 3% slower with nothing to copy."""
+    mode, copy = ARGS.speculate.split(":")[0], row["prompts"] == "copy"
+    model = "" if ARGS.model == "smollm2-135m" else f"-{slug(ARGS.model)}"
+    record(f"speculate-{mode}-{row['prompts']}-b{row['batch']}{model}", issue=40,
+           goal=f"Speculation (--speculate {ARGS.speculate}), {'copy-heavy' if copy else 'nothing-to-copy'} prompts, "
+           f"batch {row['batch']}, {Path(ARGS.model).name}",
+           target=(">=", 1.5 if copy else 0.97), figure=f"{row['speculating'][0]:.1f} tok/s",
+           baseline=f"plain decode {row['plain'][0]:.1f} tok/s", ratio=row["ratio"], runs=ARGS.reps)
+
+
 def main() -> None:
     global ARGS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -125,6 +137,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,4", help="1 and/or 4")
     p.add_argument("--out", default=None, help="append the result as one JSON line")
+    p.add_argument("--record", action="store_true", help="write each row's ratio to bench/results/ "
+                   "(BENCHMARKS.md's table)")
     ARGS = p.parse_args()
     import torch
 
@@ -156,6 +170,8 @@ def main() -> None:
             rows.append(row)
             print(f"batch {batch} {kind}: plain {fmt(*row['plain'])} tok/s, speculating {fmt(*row['speculating'])} "
                   f"tok/s, ratio {fmt(*row['ratio'], digits=2)}x", flush=True)
+            if ARGS.record:
+                record_row(row)
     if ARGS.out:
         with open(ARGS.out, "a") as f:
             f.write(json.dumps({"cpu": cpu_line(), "model": ARGS.model, "speculate": ARGS.speculate,
