@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 
 
 def register(sub) -> None:
@@ -21,6 +22,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    require_extra("plots", "hardy demo (its report's plots)")
+    require_extra("ft", "hardy demo (its live-recovery stage)")
     from hardy.demo.job import DemoOptions, run_demo
 
     if args.eval_tokens < 256:

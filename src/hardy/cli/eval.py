@@ -8,6 +8,7 @@ from hardy.cli.common import Parser, add_device_arg, add_gguf_arg, add_model_arg
 from hardy.cli.eval_rank import register_rank
 from hardy.devices import resolve_device
 from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 from hardy.loading.load import is_quantized_source, load_model, set_threads
 
 
@@ -72,6 +73,8 @@ def register_compare(tasks) -> None:
 
 
 def run_compare(args) -> int:
+    if args.plot:
+        require_extra("plots", "--plot")
     from hardy.data.text import read_text
     from hardy.eval.compare import CompareRow, format_table, measure_speed, plot, quality, rows_to_json, size_on_disk
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from hardy.cli.common import add_device_arg, add_gguf_arg
 from hardy.devices import resolve_device
 from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 from hardy.loading.load import config_for, is_quantized_source, load_model, resolve_source, set_threads
 
 
@@ -135,6 +136,9 @@ def follow_models(args) -> int:
 
 
 def run_rank(args) -> int:
+    require_extra("rank", "hardy eval rank")
+    if args.plot:
+        require_extra("plots", "--plot")
     from hardy.data.ranking import read_collection
     from hardy.eval.rank import (BM25, best_alpha, check_sizes, format_table, plot, run_queries, system_result,
                                  top_grade)

@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 from hardy.fsio import write_bytes_atomic
 from hardy.plan.goodput import LLAMA3_EFFECTIVE_TRAINING_TIME, STRATEGIES, Fleet, Recovery, simulate
 
@@ -46,6 +47,8 @@ def strategies_of(values: list[str] | None) -> list[str]:
 
 
 def run_goodput(args) -> int:
+    if args.plot:
+        require_extra("plots", "--plot")
     strategies = strategies_of(args.strategy)
     rec = Recovery(**{f.name: getattr(args, f.name) for f in fields(Recovery)})
     results = [simulate(Fleet(gpus, args.group_gpus, args.days, args.device_mtbf_hours, args.hardware_share), rec,

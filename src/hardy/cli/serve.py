@@ -8,6 +8,7 @@ import threading
 from hardy.cli.common import (add_kv_args, add_model_args, add_speculate_args, add_tp_args, kv_settings,
                                load_from_args, parse_speculation, speculator_for, use_fast_prefill, weights_line)
 from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 from hardy.formats.chat import read_template_file, use_chat_template
 from hardy.loading.load import config_for
 from hardy.parallel.distributed import leave_together
@@ -45,6 +46,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    require_extra("serve", "hardy serve")
     from hardy.serve.engine import Engine, ModelRunner
 
     for key in ("max_batch", "max_queue", "max_tokens", "tp", "max_connections"):

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 from hardy.fault.straggler import find_stragglers
 
 ENV_GROUP = "HARDY_REPLICA_GROUP"  # this process's replica group (0.. for the job's, G.. for spares)
@@ -42,10 +42,7 @@ log = logging.getLogger(__name__)
 
 
 def require_torchft() -> None:
-    try:
-        import torchft  # the optional `live` extra (noqa: F401)
-    except ImportError:
-        raise HardyError("fault.recovery = live needs torchft: pip install 'hardy[live]' (torchft-nightly)") from None
+    require_extra("ft", "fault.recovery = live")
 
 
 def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int, quorum_tick_ms: int = 20):

@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 
 from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 from hardy.fsio import write_bytes_atomic
 
 MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "optimizer_temporaries", "runtime")
@@ -89,13 +90,11 @@ def print_rows(rows: list[tuple[str, str]]) -> str:
 # ------------------------------------------------------------------------------------ plots
 
 def _pyplot():
-    try:
-        import matplotlib  # optional dependency, and start-up: only reports draw
+    require_extra("plots", "drawing a plot or report")
+    import matplotlib  # the optional `plots` extra, and start-up: only reports draw
 
-        matplotlib.use("Agg")  # files only: no display
-        import matplotlib.pyplot as plt  # after use("Agg")
-    except ImportError:
-        raise HardyError("reports need matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt  # after use("Agg")
     return plt
 
 
