@@ -43,12 +43,13 @@ def record(result_id: str, *, issue: int, goal: str, target: tuple[str, float] |
            unit: str = "×", alternating: bool = True, directory: Path = RESULTS) -> Path:
     """Write (atomically) the result file of one goal; `ratio` is (median, low, high) of the alternating
     repetitions' ratios and `target` the goal's bound on it, e.g. (">=", 1.25); for a goal on an amount
-    (seconds, a percentage) `ratio` holds the amount and `unit` its unit."""
+    (seconds, a percentage) `ratio` holds the amount and `unit` its unit. `runs` 0: a deterministic
+    computation (a planner evaluation), judged on its value alone, with no interval."""
     from native import cpu_line
 
     if target is not None and target[0] not in (">=", "<="):
         raise ValueError(f"a target bound is '>=' or '<=', not {target[0]!r}")
-    med, lo, hi = (round(float(x), digits) for x in ratio)  # as the scripts print them
+    med, lo, hi = (None if x is None else round(float(x), digits) for x in ratio)  # as the scripts print them
     result = {
         "id": result_id, "issue": issue, "goal": goal,
         "target": None if target is None else {"op": target[0], "value": target[1]},

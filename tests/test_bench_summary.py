@@ -110,6 +110,8 @@ def test_a_label_covers_its_paragraph_and_table_not_the_next_paragraph(tmp_path,
     (">=", 1.25, (1.20, 1.10, 1.30), 5, "not met"),
     (">=", 1.25, (1.28, 1.26, 1.33), 3, "not established (fewer than 5 runs)"),
     (">=", 1.25, (1.28, None, None), 5, "not established (no interval)"),
+    ("<=", 12.0, (11.5, None, None), 0, "met"),  # a deterministic computation
+    ("<=", 12.0, (12.5, None, None), 0, "not met"),
     ("<=", 2.0, (1.5, 1.2, 1.9), 5, "met"),
     ("<=", 2.0, (1.5, 1.2, 2.2), 5, "met at the median only"),
     ("<=", 2.0, (2.1, 1.9, 2.3), 7, "not met"),

@@ -206,29 +206,61 @@ def run_check(args) -> int:
 
 
 def register_validate(group) -> None:
-    p = group.add_parser("validate", help="reproduce the published cases (ZeRO, DeepSpeed, Megatron) with errors")
+    p = group.add_parser("validate", help="reproduce the published cases (ZeRO, DeepSpeed, Megatron) with errors, "
+                                          "and report the error on published GPU training runs")
     p.add_argument("--catalogue", default=None)
-    p.add_argument("--markdown", action="store_true", help="a Markdown table (docs/planner.md)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="Markdown tables (docs/planner.md)")
+    p.add_argument("--json", action="store_true", help='{"cases": [...], "gpu_runs": {per run, per source, per '
+                   'hardware, leave-one-source-out}}')
     p.set_defaults(func=run_validate)
 
 
 def run_validate(args) -> int:
+    from hardy.plan.public_runs import report
     from hardy.plan.report import markdown_table, table
     from hardy.plan.validation import all_cases
 
     cases = all_cases(args.catalogue)
+    runs = report(args.catalogue)
     if args.json:
-        print(json.dumps([dict(c.__dict__, error=c.error, ok=c.ok) for c in cases]))
+        print(json.dumps({"cases": [dict(c.__dict__, error=c.error, ok=c.ok) for c in cases], "gpu_runs": runs}))
     else:
         rows = [[c.group, c.name, f"{c.published:g} {c.unit}", f"{c.predicted:.3g} {c.unit}", f"{100 * c.error:+.1f}%",
                  f"±{100 * c.tolerance:.0f}%", "ok" if c.ok else "FAIL", c.formula] for c in cases]
         headers = ["group", "case", "published", "hardy", "error", "goal", "", "formula"]
-        print(markdown_table(headers, rows) if args.markdown else table(headers, rows, align_right=False))
+        render = markdown_table if args.markdown else (lambda h, r: table(h, r, align_right=False))
+        print(render(headers, rows))
+        print()
+        print(gpu_runs_text(runs, render))
     failed = [c for c in cases if not c.ok]
     if failed:
         raise HardyError(f"{len(failed)} published case(s) outside tolerance: {', '.join(c.name for c in failed)}")
     return 0
+
+
+def gpu_runs_text(runs: dict, render) -> str:
+    """The published GPU runs: each run, then the error per source, per hardware and left out by source."""
+    def pct(x: float) -> str:
+        return f"{100 * x:+.1f}%"
+
+    lines = [render(["source", "run", "published tok/s/GPU", "hardy", "error", "fits", "constant from it"],
+                    [[r["source"], r["case"], f"{r['published']:,.0f}", f"{r['predicted']:,.0f}", pct(r["error"]),
+                      "yes" if r["fits"] else "NO", "yes" if r["shares_source_with_a_constant"] else ""]
+                     for r in runs["runs"]]), ""]
+    loso = runs["leave_one_source_out"]
+    rows = [[name, s["n"], f"{100 * s['mape']:.1f}%", pct(s["mean_error"]),
+             f"{100 * loso['by_source'][name]['mape']:.1f}%" if name in loso["by_source"] else "-"]
+            for name, s in runs["by_source"].items()]
+    rows += [[f"hardware {name}", s["n"], f"{100 * s['mape']:.1f}%", pct(s["mean_error"]), ""]
+             for name, s in runs["by_hardware"].items()]
+    for label, s, left_out in (("all runs", runs["overall"], loso["overall"]),
+                               ("runs sharing no source with a constant", runs["independent"], None)):
+        rows.append([label, s["n"], f"{100 * s['mape']:.1f}%", pct(s["mean_error"]),
+                     f"{100 * left_out['mape']:.1f}%" if left_out else ""])
+    lines.append(render(["group", "runs", "MAPE", "mean error", "MAPE, its source left out"], rows))
+    lines += [f"left out, re-derived: {k} {v['catalogue']:g} -> {v['refit']:g}" for k, v in loso["refits"].items()]
+    lines += [f"left out, no other source to re-derive it from: {name}" for name in loso["unfittable"]]
+    return "\n".join(lines)
 
 
 def register_hardware(group) -> None:

@@ -95,6 +95,9 @@ class Hardware:
     sources: tuple[str, ...] = ()
     date: str = ""  # when the figures (prices above all) were last checked
     efficiency_source: str = ""
+    # (field, source id) for each constant taken from a published run that `hardy plan validate` also
+    # checks (hardy.plan.public_runs.SOURCES): those runs are reported apart and left out of its fit
+    calibrated_on: tuple[tuple[str, str], ...] = ()
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -199,7 +202,8 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
             fast_bf16=bool(data.get("fast_bf16", True)), cores=data.get("cores"),
             op_overhead_s=float(data.get("op_overhead_us", 5.0 if data["kind"] == "gpu" else 8.0)) * 1e-6,
             sources=tuple(data.get("sources", ())), date=str(data.get("date", "")),
-            efficiency_source=str(data.get("efficiency_source", "")))
+            efficiency_source=str(data.get("efficiency_source", "")),
+            calibrated_on=tuple((str(k), str(v)) for k, v in data.get("calibrated_on", {}).items()))
     except HardyError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:

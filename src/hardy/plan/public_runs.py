@@ -1,0 +1,219 @@
+"""Published GPU training runs the planner is checked against (`hardy plan validate`): tokens/s per GPU,
+per source and per device family, and a leave-one-source-out error.
+
+Each run is a configuration that ran, as its source publishes it, and the throughput it reached. The
+planner predicts it from the catalogue unchanged. Some catalogue constants were taken from a source that
+is also in this set (a hardware entry's `calibrated_on`): those runs are reported apart, and the
+leave-one-source-out error re-derives every such constant from the other sources' runs before predicting
+the held-out source's, so no run is predicted by a constant fitted to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from hardy.model.config import ModelConfig
+from hardy.plan.arch import Arch, GPTConfig, arch_from_gpt, arch_from_llama, load_arch
+from hardy.plan.hardware import Hardware, load_catalogue
+from hardy.plan.train import TrainJob, plan_train
+
+SOURCES = {
+    "llm-foundry": "MosaicML llm-foundry, scripts/train/benchmarking/README.md (MPT, FSDP full shard, 8 GPUs, "
+                   "amp_bf16, H100 80GB and A100 80GB tables)",
+    "torchtitan": "pytorch/torchtitan docs/performance.md (Llama 2 / 3, FSDP2 on 64 A100 80GB; \"selective layer\" "
+                  "= every 2nd block checkpointed)",
+    "korthikanti-2022": "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 (Megatron-LM on A100 80GB; "
+                        "tokens/s per GPU = global batch x 2048 / iteration time / GPUs)",
+}
+
+# MPT (d_model, n_layers, n_heads), vocabulary 50,368; Llama shapes as their configs give them
+MPT = {"350m": (1024, 24, 16), "760m": (1536, 24, 12), "1b": (2048, 24, 16), "3b": (2560, 32, 20),
+       "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 48, 56)}
+LLAMA = {"llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                           max_seq_len=8192),
+         "llama2-13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824,
+                            max_seq_len=4096),
+         "llama2-70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                            max_seq_len=4096),
+         "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                            max_seq_len=8192)}
+
+
+@dataclass(frozen=True)
+class PublicRun:
+    source: str  # a SOURCES key
+    hardware: str  # the catalogue entry it ran on
+    model: str  # an MPT or LLAMA key, or a catalogue architecture (gpt-22b, ...)
+    gpus: int
+    seq: int
+    micro_batch: int
+    grad_accum: int  # micro-batches per step and data-parallel rank
+    tokens_per_gpu_s: float  # published
+    ac: str = "none"
+    tp: int = 1
+    pp: int = 1
+    zero: int = 3
+    sequence_parallel: bool = False
+    interleaved_stages: int = 1  # > 1: the interleaved pipeline schedule
+
+    @property
+    def label(self) -> str:
+        par = f" tp{self.tp} pp{self.pp}" if self.tp * self.pp > 1 else ""
+        return f"{self.model} {self.hardware} x{self.gpus}{par} s{self.seq} mb{self.micro_batch} ac {self.ac}"
+
+
+def _foundry(hw, model, seq, mb, ga, ac, tps):
+    return PublicRun("llm-foundry", hw, model, 8, seq, mb, ga, tps, ac)
+
+
+def _titan(model, seq, mb, ac, tps):
+    return PublicRun("torchtitan", "a100-80g", model, 64, seq, mb, 1, tps, ac)
+
+
+def _megatron(model, t, p, gpus, batch, mb, stages, ac, step_s):
+    sp = ac == "selective"
+    return PublicRun("korthikanti-2022", "a100-80g", model, gpus, 2048, mb, batch // (mb * gpus // (t * p)),
+                     batch * 2048 / step_s / gpus, ac, t, p, zero=0, sequence_parallel=sp, interleaved_stages=stages)
+
+
+RUNS = (
+    _foundry("h100-sxm", "760m", 2048, 24, 2, "none", 63147), _foundry("h100-sxm", "1b", 2048, 14, 1, "none", 45455),
+    _foundry("h100-sxm", "3b", 4096, 5, 6, "none", 20964), _foundry("h100-sxm", "7b", 2048, 6, 1, "none", 10643),
+    _foundry("h100-sxm", "7b", 4096, 16, 2, "full", 8611), _foundry("h100-sxm", "13b", 2048, 2, 1, "none", 4792),
+    _foundry("h100-sxm", "30b", 2048, 3, 21, "full", 2002),
+    _foundry("a100-80g", "350m", 2048, 32, 2, "none", 58782), _foundry("a100-80g", "1b", 2048, 14, 4, "none", 20513),
+    _foundry("a100-80g", "3b", 4096, 5, 6, "none", 9457), _foundry("a100-80g", "7b", 2048, 6, 2, "none", 4641),
+    _foundry("a100-80g", "13b", 2048, 2, 3, "none", 2262), _foundry("a100-80g", "30b", 2048, 3, 21, "full", 916),
+    _titan("llama3-8b", 8192, 1, "every:2", 2904), _titan("llama2-13b", 4096, 2, "none", 2162),
+    _titan("llama3-70b", 8192, 1, "full", 331), _titan("llama2-13b", 4096, 2, "every:2", 1914),
+    _titan("llama2-70b", 4096, 2, "full", 353),
+    # Table 3's configurations; Table 5's iteration times, full recompute and selective + sequence parallel
+    _megatron("gpt-22b", 8, 1, 8, 4, 4, 1, "full", 1.42), _megatron("gpt-22b", 8, 1, 8, 4, 4, 1, "selective", 1.10),
+    _megatron("gpt-175b", 8, 8, 64, 64, 1, 3, "full", 18.13),
+    _megatron("gpt-175b", 8, 8, 64, 64, 1, 3, "selective", 13.75),
+    _megatron("gpt-530b", 8, 35, 280, 280, 1, 3, "full", 49.05),
+    _megatron("gpt-530b", 8, 35, 280, 280, 1, 3, "selective", 37.83),
+    _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "full", 94.42),
+    _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "selective", 71.49),
+)
+# Not listed: torchtitan's "selective op" rows. Its policy recomputes every other matmul; the planner's
+# `selective` keeps every matmul output, so those runs did less memory and more recompute than it plans.
+
+
+def arch_for(model: str, seq: int) -> Arch:
+    if model in LLAMA:
+        return arch_from_llama(ModelConfig(**LLAMA[model], name=model))
+    if model in MPT:
+        d, layers, heads = MPT[model]
+        return arch_from_gpt(GPTConfig(vocab_size=50368, dim=d, n_layers=layers, n_heads=heads, max_seq_len=seq,
+                                       dropout=False, attention="flash", name=f"mpt-{model}"))
+    return load_arch(model)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run: PublicRun
+    predicted: float  # tokens/s per GPU
+    fits: bool
+    shares_source: bool  # a constant of its hardware entry was taken from its own source
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.run.tokens_per_gpu_s - 1
+
+
+def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
+    """(tokens/s per GPU, fits in memory) the planner gives for `run` on `hw`."""
+    dp = run.gpus // (run.tp * run.pp)
+    job = TrainJob(arch=arch_for(run.model, run.seq), hw=hw, devices=run.gpus, seq=run.seq,
+                   global_batch_tokens=dp * run.micro_batch * run.grad_accum * run.seq, tp=run.tp, pp=run.pp,
+                   zero=run.zero, ac=run.ac, micro_batch=run.micro_batch, precision="bf16",
+                   sequence_parallel=run.sequence_parallel,
+                   schedule="interleaved" if run.interleaved_stages > 1 else "1f1b",
+                   virtual_stages=run.interleaved_stages)
+    plan = plan_train(job)
+    return plan.tokens_per_s / run.gpus, plan.fits
+
+
+def evaluate(runs=RUNS, catalogue=None) -> list[RunResult]:
+    entries = load_catalogue(catalogue)
+    out = []
+    for run in runs:
+        hw = entries[run.hardware]
+        predicted, fits = predict(run, hw)
+        out.append(RunResult(run, predicted, fits, run.source in dict(hw.calibrated_on).values()))
+    return out
+
+
+def error_summary(results: list[RunResult]) -> dict:
+    """n, MAPE, mean signed error, worst |error| and the share within ±25%."""
+    errors = [r.error for r in results]
+    if not errors:
+        return {"n": 0}
+    return {"n": len(errors), "mape": statistics.fmean(abs(e) for e in errors), "mean_error": statistics.fmean(errors),
+            "worst": max(errors, key=abs), "within_25": sum(abs(e) <= 0.25 for e in errors) / len(errors)}
+
+
+def grouped(results: list[RunResult], key) -> dict[str, dict]:
+    groups: dict[str, list[RunResult]] = {}
+    for r in results:
+        groups.setdefault(key(r), []).append(r)
+    return {name: error_summary(rs) for name, rs in sorted(groups.items())}
+
+
+FIT_GRID = tuple(round(0.30 + 0.01 * i, 2) for i in range(66))  # efficiencies 0.30 .. 0.95
+
+
+def refit(hw: Hardware, field: str, runs: list[PublicRun]) -> float:
+    """The value of `hw`'s constant `field` that minimizes the planner's MAPE over `runs` (grid search)."""
+    def mape(value: float) -> float:
+        trial = dataclasses.replace(hw, **{field: value})
+        return statistics.fmean(abs(predict(r, trial)[0] / r.tokens_per_gpu_s - 1) for r in runs)
+
+    return min(FIT_GRID, key=mape)
+
+
+def leave_one_source_out(runs=RUNS, catalogue=None) -> dict:
+    """For each source: every catalogue constant taken from it is re-derived from the other sources' runs
+    on that hardware, then the source's runs are predicted. Returns the per-source summaries, the refits,
+    and the overall MAPE; a constant with no other source to fit on is named in `unfittable`."""
+    entries = load_catalogue(catalogue)
+    held_out, refits, unfittable = [], {}, []
+    for source in sorted({r.source for r in runs}):
+        mine = [r for r in runs if r.source == source]
+        for name in sorted({r.hardware for r in mine}):
+            hw = entries[name]
+            for field, origin in hw.calibrated_on:
+                if origin != source:
+                    continue
+                others = [r for r in runs if r.hardware == name and r.source != source]
+                if not others:
+                    unfittable.append(f"{name}.{field}")
+                    continue
+                value = refit(hw, field, others)
+                refits[f"{source}: {name}.{field}"] = {"catalogue": getattr(hw, field), "refit": value}
+                hw = dataclasses.replace(hw, **{field: value})
+            for run in (r for r in mine if r.hardware == name):
+                predicted, fits = predict(run, hw)
+                held_out.append(RunResult(run, predicted, fits, False))
+    return {"overall": error_summary(held_out), "by_source": grouped(held_out, lambda r: r.run.source),
+            "refits": refits, "unfittable": unfittable}
+
+
+def report(catalogue=None) -> dict:
+    """What `hardy plan validate --json` gives for the GPU runs."""
+    results = evaluate(RUNS, catalogue)
+    independent = [r for r in results if not r.shares_source]
+    return {
+        "runs": [{"source": r.run.source, "case": r.run.label, "hardware": r.run.hardware,
+                  "published": r.run.tokens_per_gpu_s, "predicted": r.predicted, "error": r.error, "fits": r.fits,
+                  "shares_source_with_a_constant": r.shares_source} for r in results],
+        "sources": SOURCES,
+        "overall": error_summary(results),
+        "independent": error_summary(independent),
+        "by_source": grouped(results, lambda r: r.run.source),
+        "by_hardware": grouped(results, lambda r: r.run.hardware),
+        "leave_one_source_out": leave_one_source_out(RUNS, catalogue),
+        "predicted_to_fit": sum(r.fits for r in results),
+    }
