@@ -42,7 +42,8 @@ def planted(tmp_path_factory):
     near90, near50 = variant(base, 0.9, rng), variant(paragraphs[8], 0.5, rng)
     noise = {
         "binary": "".join(chr(rng.choice([0, 1, 2, 7, 8, 0xFFFD, 0x80 + rng.randrange(30)])) for _ in range(200)),
-        "symbols": "".join(rng.choice("#$%^&*()[]{}<>|~=+-_/\\@!") for _ in range(120)),
+        # words of symbols, so that it is the symbol filter that removes it, not the too-short one
+        "symbols": " ".join("".join(rng.choice("#$%^&*()[]{}<>|~=+-_/\\@!") for _ in range(5)) for _ in range(24)),
         "one_token": "Ostrich",
         "repeated": "\n".join(["Buy the best deals now at our store"] * 50),
     }
@@ -52,7 +53,8 @@ def planted(tmp_path_factory):
     src = root / "corpus.txt"
     src.write_bytes(corpus.encode("utf-8") + b"\n\n\xff\xfe\x00garbage\x80\x81 bytes\n")
     report = prepare([str(src)], "bpe:1000", root / "out", seed=0)
-    return {"root": root / "out", "report": report, "near90": near90, "near50": near50, "base": base,
+    (root / "text.txt").write_text(text + "\n")
+    return {"root": root / "out", "report": report, "text": root / "text.txt", "near90": near90, "near50": near50, "base": base,
             "noise": noise, "j90": shingle_jaccard(base, near90), "j50": shingle_jaccard(paragraphs[8], near50)}
 
 
@@ -85,6 +87,21 @@ def test_planted_exact_duplicates_and_noise(planted):
     for noise in planted["noise"].values():
         assert normalize(noise) not in text
     assert "garbage" not in text
+
+
+def test_each_filter_removes_exactly_what_was_planted(planted, tmp_path):
+    """Against the same text without the planted documents: each filter's count grows by exactly the
+    documents planted for it, and no other count moves."""
+    from hardy.data.prepare import select_documents
+
+    baseline, _ = select_documents([str(planted["text"])], tmp_path, CleanConfig(), 0.8, 0.05, 0, False)
+    grew = {k: v - baseline.removed[k] for k, v in planted["report"].removed.items()}
+    assert grew == {
+        "exact duplicate": 4,  # paragraphs 5, 8 and 12 repeated, paragraph 12 twice
+        "near duplicate (Jaccard >= 0.8)": 1,  # the 0.9-similar variant, not the 0.5 one
+        "binary/control characters": 2,  # planted control characters and the raw invalid bytes
+        "symbol-heavy": 1, "too short": 1, "repetitive": 1, "too long": 0,
+    }, grew
 
 
 def test_clean_text_is_kept(planted):
