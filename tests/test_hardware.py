@@ -12,7 +12,7 @@ from hardy.errors import HardyError
 from hardy.plan.hardware import CATALOGUE, describe_hardware, get_hardware, load_catalogue
 from hardy.plan.hardware import hardware_from_profile, hardware_from_profile_file
 
-EXPECTED = {"a100-80g", "h100-sxm", "h200", "b200", "mi300x", "l40s",
+EXPECTED = {"a100-80g", "a100-40g", "h100-sxm", "h100-hbm2e-96gb-500w", "h200", "b200", "gb200", "mi300x", "l40s",
             "xeon-spr", "xeon-emr", "xeon-gnr", "epyc-genoa", "epyc-turin", "graviton4"}
 
 
@@ -35,7 +35,9 @@ def test_every_entry_is_complete(catalogue):
         for link in (hw.intra_node, hw.inter_node):
             assert link.name and link.bandwidth > 0 and 0 < link.latency < 1e-3 and 0 < link.efficiency <= 1
         assert hw.intra_node.bandwidth > hw.inter_node.bandwidth, name
-        assert hw.disk_write_bandwidth > 0 and hw.price_per_device_hour and hw.price_per_device_hour > 0
+        # a price only where one was quoted (parts one cannot rent by the hour have none)
+        assert hw.disk_write_bandwidth > 0 and (hw.price_per_device_hour is None or hw.price_per_device_hour > 0)
+        assert hw.kind == "cpu" or hw.tdp_w, name  # every GPU has its rated power
         assert hw.fast_bf16, name
         if hw.kind == "cpu":
             assert hw.cores and hw.devices_per_node == 2, name  # one device = one socket
@@ -56,6 +58,35 @@ def test_datasheet_figures_match_reference(catalogue):
     assert catalogue["xeon-spr"].peak("bf16") == pytest.approx(115e12, rel=0.01)
     assert catalogue["xeon-spr"].memory_bandwidth == pytest.approx(307e9, rel=0.01)
     assert catalogue["epyc-genoa"].memory_bandwidth == pytest.approx(461e9, rel=0.01)
+
+
+def test_the_entries_added_for_published_runs(catalogue):
+    """The H100 torchtitan's benchmarks ran on, GB200 and the 40 GB A100, as their sources give them."""
+    grand_teton, sxm = catalogue["h100-hbm2e-96gb-500w"], catalogue["h100-sxm"]
+    assert grand_teton.memory_bytes == 96e9 and grand_teton.memory_bandwidth == 2.4e12
+    assert grand_teton.inter_node.bandwidth == 50e9 and grand_teton.peak("fp8") == 1978.9e12
+    # run at 500 W of its 700 W: the sustained clock goes as the cube root of the power
+    assert grand_teton.clock_fraction == pytest.approx((500 / 700) ** (1 / 3))
+    assert grand_teton.achievable_flops("bf16") == pytest.approx(989.4e12 * 0.80 * (500 / 700) ** (1 / 3))
+    # torchtitan's notes put this part's peak "between SXM and NVL" (835-989 TF/s bf16): the model agrees
+    assert 835e12 < grand_teton.peak("bf16") * grand_teton.clock_fraction < 989.4e12
+    assert sxm.clock_fraction == 1.0 and sxm.achievable_flops("bf16") == pytest.approx(989e12 * 0.80)
+    gb200 = catalogue["gb200"]
+    assert gb200.peak("bf16") == 2500e12 and gb200.peak("fp8") == 5000e12 and gb200.memory_bytes == 186e9
+    assert gb200.devices_per_node == 72 and gb200.intra_node.bandwidth == 900e9
+    a100 = catalogue["a100-40g"]
+    assert a100.memory_bytes == 40e9 and a100.memory_bandwidth == 1555e9 and a100.peak("bf16") == 312e12
+    rows = dict(describe_hardware(grand_teton))
+    assert rows["power"] == "700 W rated, run at 500 W: sustained clock 0.894 of rated (modelled)"
+
+
+def test_a_power_limit_at_or_above_the_rating_leaves_the_clock(catalogue):
+    import dataclasses
+
+    sxm = catalogue["h100-sxm"]
+    assert dataclasses.replace(sxm, power_limit_w=700).clock_fraction == 1.0
+    assert dataclasses.replace(sxm, power_limit_w=800).clock_fraction == 1.0
+    assert dataclasses.replace(sxm, power_limit_w=350).clock_fraction == pytest.approx(0.5 ** (1 / 3))
 
 
 def test_unknown_hardware_names_the_known_ones():

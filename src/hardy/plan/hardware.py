@@ -22,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CATALOGUE = Path(__file__).with_name("catalogue.toml")
-PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8")  # fp8: recorded in entries, not yet planned
 
 
 def interpolate_log(table: tuple[tuple[int, float], ...], x: float) -> float:
@@ -98,6 +98,8 @@ class Hardware:
     # (field, source id) for each constant taken from a published run that `hardy plan validate` also
     # checks (hardy.plan.public_runs.SOURCES): those runs are reported apart and left out of its fit
     calibrated_on: tuple[tuple[str, str], ...] = ()
+    tdp_w: float | None = None  # the part's rated board power
+    power_limit_w: float | None = None  # the limit it is run at, where that is below the TDP
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -105,8 +107,18 @@ class Hardware:
                              f"(known: {', '.join(sorted(self.peak_flops))})")
         return self.peak_flops[dtype]
 
+    @property
+    def clock_fraction(self) -> float:
+        """The sustained clock of a part run below its rated power, as a fraction of the rated clock.
+        Dynamic power goes as f·V² and the voltage scales with the clock across the DVFS range, so the
+        clock a power limit sustains goes as its cube root (a model, not a measurement: static power is
+        neglected, and a GEMM-heavy step is taken to run at the limit). 1 at or above the TDP."""
+        if not self.tdp_w or not self.power_limit_w or self.power_limit_w >= self.tdp_w:
+            return 1.0
+        return (self.power_limit_w / self.tdp_w) ** (1 / 3)
+
     def achievable_flops(self, dtype: str) -> float:
-        return self.peak(dtype) * self.flops_efficiency
+        return self.peak(dtype) * self.flops_efficiency * self.clock_fraction
 
     def achievable_bandwidth(self) -> float:
         return self.memory_bandwidth * self.bandwidth_efficiency
@@ -138,14 +150,14 @@ class Hardware:
         table = (forward and self.forward_gemm_efficiency_by_width) or self.gemm_efficiency_by_width
         if width is None or not table:
             return self.achievable_flops(dtype)
-        return self.peak(dtype) * interpolate_log(table, width)
+        return self.peak(dtype) * interpolate_log(table, width) * self.clock_fraction
 
     def attention_rate(self, dtype: str, head_dim: int | None = None) -> float:
         """FLOP/s of causal attention forward + backward at a head size (measured by a probe: a CPU's
         flash kernel runs far below its GEMMs; otherwise the GEMM rate)."""
         if head_dim is None or not self.attention_efficiency_by_head_dim:
             return self.achievable_flops(dtype)
-        return self.peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim)
+        return self.peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim) * self.clock_fraction
 
     def link(self, group_size: int) -> Link:
         """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
@@ -203,7 +215,9 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
             op_overhead_s=float(data.get("op_overhead_us", 5.0 if data["kind"] == "gpu" else 8.0)) * 1e-6,
             sources=tuple(data.get("sources", ())), date=str(data.get("date", "")),
             efficiency_source=str(data.get("efficiency_source", "")),
-            calibrated_on=tuple((str(k), str(v)) for k, v in data.get("calibrated_on", {}).items()))
+            calibrated_on=tuple((str(k), str(v)) for k, v in data.get("calibrated_on", {}).items()),
+            tdp_w=None if data.get("tdp_w") is None else float(data["tdp_w"]),
+            power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]))
     except HardyError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -252,6 +266,9 @@ def describe_hardware(hw: Hardware) -> list[tuple[str, str]]:
             ("memory", f"{hw.memory_bytes / 1e9:,.1f} GB per {unit}"),
             ("memory bandwidth", f"{hw.memory_bandwidth / 1e9:,.1f} GB/s per {unit}"),
             ("efficiency", f"GEMM {hw.flops_efficiency:.2f}, memory {hw.bandwidth_efficiency:.2f}"),
+            ("power", "unknown" if not hw.tdp_w else f"{hw.tdp_w:,.0f} W rated" + (
+                f", run at {hw.power_limit_w:,.0f} W: sustained clock {hw.clock_fraction:.3f} of rated (modelled)"
+                if hw.clock_fraction < 1 else "")),
             (f"{unit}s per node", str(hw.devices_per_node)),
             ("intra-node link", link(hw.intra_node)),
             ("inter-node link", link(hw.inter_node)),

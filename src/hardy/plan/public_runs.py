@@ -25,6 +25,9 @@ SOURCES = {
                   "= every 2nd block checkpointed)",
     "korthikanti-2022": "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 (Megatron-LM on A100 80GB; "
                         "tokens/s per GPU = global batch x 2048 / iteration time / GPUs)",
+    "kempnerforge": "KempnerInstitute/KempnerForge benchmarks/weak_scaling_160gpu/README.md (Llama-3-style 13B and "
+                    "70B, TP 4 x FSDP, full activation checkpointing, H200 141GB, 4 per node; tokens/s per GPU = "
+                    "the published aggregate / GPUs)",
 }
 
 # MPT (d_model, n_layers, n_heads), vocabulary 50,368; Llama shapes as their configs give them
@@ -37,7 +40,9 @@ LLAMA = {"llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
          "llama2-70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                             max_seq_len=4096),
          "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                            max_seq_len=8192)}
+                            max_seq_len=8192),
+         "kempner-13b": dict(vocab_size=128256, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_dim=17920,
+                             max_seq_len=4096)}
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class PublicRun:
     zero: int = 3
     sequence_parallel: bool = False
     interleaved_stages: int = 1  # > 1: the interleaved pipeline schedule
+    per_node: int | None = None  # GPUs per node where the run's nodes differ from the catalogue entry's
 
     @property
     def label(self) -> str:
@@ -69,6 +75,10 @@ def _foundry(hw, model, seq, mb, ga, ac, tps):
 
 def _titan(model, seq, mb, ac, tps):
     return PublicRun("torchtitan", "a100-80g", model, 64, seq, mb, 1, tps, ac)
+
+
+def _kempner(model, gpus, mb, aggregate):
+    return PublicRun("kempnerforge", "h200", model, gpus, 4096, mb, 4, aggregate / gpus, "full", tp=4, per_node=4)
 
 
 def _megatron(model, t, p, gpus, batch, mb, stages, ac, step_s):
@@ -96,6 +106,10 @@ RUNS = (
     _megatron("gpt-530b", 8, 35, 280, 280, 1, 3, "selective", 37.83),
     _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "full", 94.42),
     _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "selective", 71.49),
+    *(_kempner("kempner-13b", g, 4, tps) for g, tps in ((8, 29860), (32, 110373), (64, 216507), (128, 423306),
+                                                        (160, 534644))),
+    *(_kempner("llama3-70b", g, 2, tps) for g, tps in ((8, 3623), (32, 18688), (64, 35824), (96, 52190),
+                                                       (128, 69985), (160, 85571))),
 )
 # Not listed: torchtitan's "selective op" rows. Its policy recomputes every other matmul; the planner's
 # `selective` keeps every matmul output, so those runs did less memory and more recompute than it plans.
@@ -126,6 +140,8 @@ class RunResult:
 def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
     """(tokens/s per GPU, fits in memory) the planner gives for `run` on `hw`."""
     dp = run.gpus // (run.tp * run.pp)
+    if run.per_node:
+        hw = dataclasses.replace(hw, devices_per_node=run.per_node)
     job = TrainJob(arch=arch_for(run.model, run.seq), hw=hw, devices=run.gpus, seq=run.seq,
                    global_batch_tokens=dp * run.micro_batch * run.grad_accum * run.seq, tp=run.tp, pp=run.pp,
                    zero=run.zero, ac=run.ac, micro_batch=run.micro_batch, precision="bf16",
