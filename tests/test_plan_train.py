@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, hardy_main
+from hardy.errors import HardyError
 from hardy.fault.policy import daly_interval, expected_goodput
 from hardy.model.config import ModelConfig, count_parameters, get_preset
 from hardy.plan.arch import arch_from_llama, load_arch
@@ -246,3 +247,56 @@ def test_llama_selective_formula_matches_the_trainers_policy(shape):
     setup = ActivationSetup(seq=40, micro_batch=3, precision="fp32", cpu=True)
     predicted = layer_activation_bytes(arch_from_llama(cfg), setup, "selective")
     assert predicted == pytest.approx(policy_saved_bytes(cfg, batch=3, seq=40), rel=0.02)
+
+
+def hsdp_job(**kw) -> TrainJob:
+    base = dict(arch=load_arch("llama3.1-8b"), hw=get_hardware("h100-sxm"), devices=32, seq=4096,
+                global_batch_tokens=32 * 2 * 4096, zero=3, micro_batch=1, ac="full")
+    return TrainJob(**{**base, **kw})
+
+
+def test_hsdp_shards_states_within_a_group_and_all_reduces_them_across():
+    """HSDP 4 x 8 on 32 H100s (4 nodes): each device holds an eighth of the states, as FSDP on one node
+    does, four times FSDP-32's; its collectives are FSDP-8's inside the node plus one all-reduce of each
+    gradient shard across the four replicas over InfiniBand."""
+    from hardy.plan.memory import model_state_bytes
+    from hardy.plan.timing import STATE_BYTES, StepSetup, data_parallel_seconds, ring_allreduce
+
+    hsdp, fsdp32 = plan_train(hsdp_job(dp_replicate=4)), plan_train(hsdp_job())
+    params = hsdp.params_local
+    for part in ("weights", "gradients", "optimizer"):
+        assert hsdp.memory[part] == pytest.approx(model_state_bytes(params, 3, 8)[part])
+        assert hsdp.memory[part] == pytest.approx(4 * fsdp32.memory[part])
+    parallel = hsdp.to_dict()["parallel"]
+    assert (parallel["dp"], parallel["dp_replicate"], parallel["dp_shard"]) == (32, 4, 8)
+    assert "hsdp4x8" in hsdp.label
+    hw, layers = get_hardware("h100-sxm"), 32
+    setup = dict(seq=4096, micro_batch=1, micro_batches=2, zero=3)
+    across = ring_allreduce(STATE_BYTES["bf16"][1] * params / 8, 4, hw.inter_node)
+    assert across > 0
+    assert data_parallel_seconds(hw, StepSetup(dp=32, dp_replicate=4, **setup), params, layers) == pytest.approx(
+        data_parallel_seconds(hw, StepSetup(dp=8, **setup), params, layers) + across)
+    # FSDP over all 32 gathers over InfiniBand; HSDP keeps the gathers on NVLink: less traffic time
+    assert data_parallel_seconds(hw, StepSetup(dp=32, **setup), params, layers) > \
+        data_parallel_seconds(hw, StepSetup(dp=32, dp_replicate=4, **setup), params, layers)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp-shard", "8", "--dp-replicate", "3"], "--dp-shard 8 x --dp-replicate 3 must equal devices / (tp x pp) "
+                                                 "= 32 / 1 = 32"),
+    (["--dp-replicate", "5"], "must equal devices / (tp x pp)"),
+    (["--dp-replicate", "4", "--zero", "1"], "need --zero 3, not 1"),
+])
+def test_impossible_hsdp_layouts_are_one_line_errors(args, message):
+    proc = hardy_main("plan", "train", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--devices", "32", *args)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_hsdp_on_the_command_line():
+    proc = hardy_main("plan", "train", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--devices", "32",
+                      "--dp-shard", "8", "--dp-replicate", "4", "--ac", "full", "--json")
+    assert proc.returncode == 0, proc.stderr
+    parallel = json.loads(proc.stdout)["parallel"]
+    assert (parallel["zero"], parallel["dp_shard"], parallel["dp_replicate"]) == (3, 8, 4)
+    with pytest.raises(HardyError, match="must divide the data-parallel degree 32"):
+        plan_train(hsdp_job(dp_replicate=5))

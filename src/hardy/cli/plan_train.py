@@ -44,7 +44,12 @@ def register_train(group) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=None, help="default: devices / (tp x pp)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="3 = ZeRO-3 / FSDP full shard")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="3 = ZeRO-3 / FSDP full shard (default 0; 3 under --dp-shard / --dp-replicate)")
+    p.add_argument("--dp-shard", type=int, default=None, help="HSDP: FSDP within groups of this many data-parallel "
+                   "ranks (a node, typically)")
+    p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: that many replicas of the sharded "
+                   "model (across nodes); dp-shard x dp-replicate = devices / (tp x pp)")
     p.add_argument("--ac", default="none", help="activation recompute: none, selective (GPT), full, every:K")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--offload", default="none", choices=["none", "optimizer", "params"])
@@ -59,6 +64,22 @@ def register_train(group) -> None:
     p.set_defaults(func=run_train)
 
 
+def _hsdp(args) -> tuple[int, int | None, int]:
+    """(zero, dp, dp_replicate) from --zero, --dp, --dp-shard and --dp-replicate."""
+    if args.dp_shard is None and args.dp_replicate is None:
+        return (0 if args.zero is None else args.zero), args.dp, 1
+    if args.zero not in (None, 3):
+        raise HardyError(f"--dp-shard / --dp-replicate (HSDP) shard within each replica group: they need --zero 3, "
+                         f"not {args.zero}")
+    dp = args.devices // (args.tp * args.pp)
+    replicate = args.dp_replicate or dp // args.dp_shard
+    shard = args.dp_shard or dp // replicate
+    if min(shard, replicate) < 1 or shard * replicate != dp or (args.dp is not None and args.dp != dp):
+        raise HardyError(f"--dp-shard {shard} x --dp-replicate {replicate} must equal devices / (tp x pp) = "
+                         f"{args.devices} / {args.tp * args.pp} = {dp}")
+    return 3, dp, replicate
+
+
 def _job(args, hw, arch):
     from hardy.plan.train import TrainJob
 
@@ -66,7 +87,8 @@ def _job(args, hw, arch):
     return TrainJob(arch=arch, hw=hw, devices=args.devices, seq=args.seq, global_batch_tokens=batch,
                     tokens=args.tokens, precision=args.precision, device_mtbf_hours=args.device_mtbf_hours,
                     restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
-                        tp=args.tp, pp=args.pp, dp=args.dp, zero=args.zero, ac=args.ac, micro_batch=args.micro_batch,
+                        tp=args.tp, pp=args.pp, **dict(zip(("zero", "dp", "dp_replicate"), _hsdp(args))),
+                        ac=args.ac, micro_batch=args.micro_batch,
                         offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 

@@ -64,6 +64,11 @@ class StepSetup:
     precision: str = "bf16"
     virtual_stages: int = 1  # interleaved 1F1B
     devices_per_process: float = 1.0  # CPU hosts: a process's share of the probed machine
+    dp_replicate: int = 1  # HSDP: ZeRO-3 within groups of dp / dp_replicate, replicated across them
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
 
 def compute_dtype(hw: Hardware, precision: str) -> str:
@@ -181,6 +186,29 @@ class StepTime:
                         + self.bubble_s + self.dp_comm_s + self.optimizer_s)
 
 
+def data_parallel_seconds(hw: Hardware, s: StepSetup, params_local: float, layers: int) -> float:
+    """The data-parallel collectives of one step, before any overlap: the gradients' all-reduce (or
+    reduce-scatter from ZeRO-2 on), ZeRO-3's parameter all-gathers (forward and backward, every
+    micro-batch, one per layer), ZeRO-1/2's all-gather of the updated shards, and under HSDP the
+    all-reduce of each gradient shard across the replica groups."""
+    w_bytes, g_bytes, _ = STATE_BYTES[s.precision]
+    shard = s.dp_shard
+    link = hw.link(shard * s.tp * s.pp)  # the sharding group's fabric (inside a node where it fits)
+    if s.zero >= 2:
+        total = ring_allgather(g_bytes * params_local, shard, link)  # reduce-scatter of gradients
+    else:
+        total = ring_allreduce(g_bytes * params_local, shard, link)
+    if s.zero == 3:
+        gather = 2 * ring_allgather(w_bytes * params_local, shard, link)
+        per_layer_latency = 3 * layers * (shard - 1) * link.latency if shard > 1 else 0.0
+        total += gather * s.micro_batches + per_layer_latency
+    elif s.zero >= 1:  # updated shards are all-gathered back
+        total += ring_allgather(w_bytes * params_local, shard, link)
+    if s.dp_replicate > 1:  # each device's gradient shard, across the groups (spanning the whole job)
+        total += ring_allreduce(g_bytes * params_local / shard, s.dp_replicate, hw.link(s.dp * s.tp * s.pp))
+    return total
+
+
 def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> StepTime:
     """Predicted time of one optimizer step on the slowest device. `params_local`: parameters this
     device holds before data-parallel sharding (its pipeline stage ÷ TP)."""
@@ -209,26 +237,12 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     m = s.micro_batches
     bubble = (s.pp - 1) / s.virtual_stages * mb
     # Data-parallel gradient traffic, overlapped with the last micro-batch's backward (2/3 of it).
-    w_bytes, g_bytes, _ = STATE_BYTES[s.precision]
-    dp_link = hw.link(s.dp * s.tp * s.pp)
-    if s.zero >= 2:
-        dp = ring_allgather(g_bytes * params_local, s.dp, dp_link)  # reduce-scatter of gradients
-    else:
-        dp = ring_allreduce(g_bytes * params_local, s.dp, dp_link)
-    if s.zero == 3:  # parameters all-gathered for forward and again for backward, every micro-batch,
-        # one collective per layer (so per-layer latency counts too)
-        gather = 2 * ring_allgather(w_bytes * params_local, s.dp, dp_link)
-        per_layer_latency = 3 * layers * (s.dp - 1) * dp_link.latency if s.dp > 1 else 0.0
-        dp += gather * m + per_layer_latency
-        hidden = m * mb
-    else:
-        hidden = mb * 2 / 3
+    dp = data_parallel_seconds(hw, s, params_local, layers)
+    hidden = m * mb if s.zero == 3 else mb * 2 / 3
     if hw.kind == "cpu":  # CPU collectives run on the cores that compute: nothing is hidden
         hidden = 0.0
-    if s.zero >= 1:  # updated shards are all-gathered back
-        dp += ring_allgather(w_bytes * params_local, s.dp, dp_link) if s.zero < 3 else 0.0
     dp_exposed = max(0.0, dp - hidden)
-    shard = s.dp if s.zero >= 1 else 1
+    shard = s.dp_shard if s.zero >= 1 else 1
     optimizer = ADAM_BYTES_PER_PARAM[s.precision] * params_local / shard / bw
     if hw.kind == "cpu":  # the per-tensor AdamW kernel and gradient clipping: operators per tensor
         optimizer += OPTIMIZER_OPS_PER_TENSOR * param_tensors(arch, layers) * hw.op_overhead_s

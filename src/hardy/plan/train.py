@@ -29,6 +29,7 @@ class TrainJob:
     pp: int = 1
     dp: int | None = None  # default: devices ÷ (tp·pp)
     zero: int = 0  # 0 DDP, 1/2 ZeRO, 3 ZeRO-3 / FSDP full shard
+    dp_replicate: int = 1  # HSDP: FSDP (zero 3) within groups of dp / dp_replicate, replicated across them
     ac: str = "none"  # none | selective | full | every:K
     micro_batch: int = 1
     offload: str = "none"  # none | optimizer | params
@@ -64,7 +65,8 @@ class TrainPlan:
     def label(self) -> str:
         """The configuration in one short line (search results, plots)."""
         j = self.job
-        return f"tp{j.tp} pp{j.pp} dp{self.dims.dp} z{j.zero} {j.ac} mb{j.micro_batch}"
+        hsdp = f" hsdp{j.dp_replicate}x{self.dims.dp // j.dp_replicate}" if j.dp_replicate > 1 else ""
+        return f"tp{j.tp} pp{j.pp} dp{self.dims.dp}{hsdp} z{j.zero} {j.ac} mb{j.micro_batch}"
 
     @property
     def peak_memory(self) -> float:
@@ -115,6 +117,7 @@ class TrainPlan:
     def to_dict(self) -> dict:
         return {"model": self.job.arch.name, "hardware": self.job.hw.name, "devices": self.job.devices,
                 "parallel": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": self.job.zero,
+                             "dp_replicate": self.job.dp_replicate, "dp_shard": self.dims.dp // self.job.dp_replicate,
                              "ac": self.job.ac, "micro_batch": self.job.micro_batch,
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "sequence_parallel": self.job.sequence_parallel,
@@ -171,8 +174,14 @@ def plan_train(job: TrainJob) -> TrainPlan:
     if job.dp is None and job.devices % model_parallel:
         raise HardyError(f"tp × pp = {model_parallel} does not divide {job.devices} devices")
     dp = job.dp if job.dp is not None else job.devices // model_parallel
-    dims = ParallelDims.build(job.devices, dp_replicate=dp if job.zero == 0 else 1,
-                              dp_shard=1 if job.zero == 0 else dp, tp=job.tp, pp=job.pp)
+    if job.dp_replicate < 1 or dp % job.dp_replicate:
+        raise HardyError(f"--dp-replicate {job.dp_replicate} must divide the data-parallel degree {dp}")
+    if job.dp_replicate > 1 and job.zero != 3:
+        raise HardyError(f"HSDP (--dp-replicate {job.dp_replicate}) shards within each replica group: it needs "
+                         f"--zero 3, not {job.zero}")
+    shard_dp = dp // job.dp_replicate  # the ranks a state is sharded over (all of dp but under HSDP)
+    dims = ParallelDims.build(job.devices, dp_replicate=dp if job.zero == 0 else job.dp_replicate,
+                              dp_shard=1 if job.zero == 0 else shard_dp, tp=job.tp, pp=job.pp)
     if arch.n_heads % job.tp or arch.n_kv_heads % job.tp:
         raise HardyError(f"tp = {job.tp} must divide the {arch.n_heads} attention and {arch.n_kv_heads} KV heads")
     if job.pp > arch.n_layers:
@@ -212,20 +221,20 @@ def plan_train(job: TrainJob) -> TrainPlan:
     # set during the backward: never both at once.
     out_kept, out_transient = output_activation_bytes(arch, act)
     act_last = layers * per_layer_avg + out_kept + max(working, out_transient)
-    states = {k: model_state_bytes(p, job.zero, dp, job.precision, job.offload) for k, p in
+    states = {k: model_state_bytes(p, job.zero, shard_dp, job.precision, job.offload) for k, p in
               (("first", params_first), ("last", params_last))}
 
     w, g, _ = STATE_BYTES[job.precision]
-    shard = dp if job.zero == 3 else 1
+    shard = shard_dp if job.zero == 3 else 1
     layer_params = arch.params_per_layer / job.tp
     buffers = 0.0
-    if job.zero == 3 and dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
+    if job.zero == 3 and shard_dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
         buffers += (2 * w + g) * layer_params
     foreach = job.optimizer_foreach if job.optimizer_foreach is not None else hw.kind == "gpu"
     # AdamW temporaries: the multi-tensor path materializes a step-sized copy of the parameters it
     # updates; the per-tensor path one copy of the largest tensor (the embedding).
     largest = max(arch.vocab_size * arch.dim, arch.params_per_layer / 3) / job.tp
-    opt_local = params_local / (dp if job.zero >= 1 else 1)
+    opt_local = params_local / (shard_dp if job.zero >= 1 else 1)
     opt_temp = 4 * (opt_local if foreach else min(largest, opt_local))
     if job.offload != "none":
         opt_temp = 0.0
@@ -251,7 +260,8 @@ def plan_train(job: TrainJob) -> TrainPlan:
     step = step_time(arch, hw, StepSetup(seq=job.seq, micro_batch=job.micro_batch, micro_batches=m, tp=job.tp,
                                          pp=job.pp, dp=dp, zero=job.zero, recompute=recompute,
                                          recompute_fraction=fraction, sequence_parallel=job.sequence_parallel,
-                                         precision=job.precision, virtual_stages=v), params_local)
+                                         precision=job.precision, virtual_stages=v,
+                                         dp_replicate=job.dp_replicate), params_local)
     fpt = arch.flops_per_token(job.seq)
     model_flops = fpt * job.global_batch_tokens
     plan = TrainPlan(job=job, dims=dims, micro_batches=m, memory=memory, host_memory=host,
