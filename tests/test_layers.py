@@ -10,6 +10,7 @@ modules really are left out of start-up."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -72,8 +73,14 @@ def test_no_import_cycle_between_packages():
     assert not cycles, f"packages that import each other (directly or around a loop): {cycles}"
 
 
+# The reasons an import may sit inside a function: start-up time, an optional dependency (an extra), or
+# an import order another call must come first for (matplotlib's backend).
+REASON = re.compile(r"#\s*(start-up|optional|order)\b")
+
+
 def function_level_imports(root: Path = SRC) -> list[tuple[str, int, bool]]:
-    """(file, line, has a reason) for every import inside a function body."""
+    """(file, line, has a reason) for every import inside a function body: a comment on its line, or on
+    the comment block above its group, that starts with one of REASON's words."""
     found = []
     for path in sorted(root.rglob("*.py")):
         source = path.read_text()
@@ -83,9 +90,12 @@ def function_level_imports(root: Path = SRC) -> list[tuple[str, int, bool]]:
                          if isinstance(node, (ast.Import, ast.ImportFrom))})
         reasoned_ends = set()
         for first, last in nested:
-            comment = "#" in lines[first - 1] and not lines[first - 1].split("#", 1)[1].strip().startswith("noqa")
-            above = lines[first - 2].strip()
-            if comment or above.startswith("#") or (first - 1) in reasoned_ends:
+            comment = REASON.search(lines[first - 1])
+            top = first - 2  # the first line of the comment block right above, if any
+            while top > 0 and lines[top - 1].strip().startswith("#") and lines[top].strip().startswith("#"):
+                top -= 1
+            above = REASON.match(lines[top].strip())
+            if comment or above or (first - 1) in reasoned_ends:
                 reasoned_ends.add(last)
             found.append((str(path.relative_to(root)), first, last in reasoned_ends))
     return found
@@ -121,9 +131,11 @@ def test_the_checker_sees_function_level_imports(tmp_path, monkeypatch):
 
 def test_the_reason_checker_tells_a_bare_import_from_an_explained_one(tmp_path):
     (tmp_path / "m.py").write_text("def f():\n    import json\n\n\ndef g():\n    # start-up: heavy\n"
-                                   "    import json\n    import csv\n\n\ndef h():\n    import csv  # optional\n")
+                                   "    import json\n    import csv\n\n\ndef h():\n    import csv  # optional\n\n\n"
+                                   "def k():\n    import csv  # whatever\n    # a comment that gives no reason\n"
+                                   "    import json  # noqa: F401\n")
     assert function_level_imports(tmp_path) == [("m.py", 2, False), ("m.py", 7, True), ("m.py", 8, True),
-                                                ("m.py", 12, True)]
+                                                ("m.py", 12, True), ("m.py", 16, False), ("m.py", 18, False)]
 
 
 def test_one_dtype_map_and_one_cpuinfo_reader():

@@ -13,6 +13,8 @@ EXTRAS = {
     "rank": ("bm25s", "Stemmer", "ir_measures"),
     "plots": ("matplotlib",),
     "ft": ("torchft",),
+    "gpu": ("pynvml",),
+    "tensorboard": ("tensorboard",),
 }
 
 

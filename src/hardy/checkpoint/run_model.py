@@ -12,8 +12,8 @@ from hardy.model.transformer import meta_transformer
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
-    # the checkpoint manager imports torch.distributed.checkpoint (DTensor, sympy: ~0.85 s and ~50 MB),
-    # which loading a GGUF or Hugging Face model for inference never needs
+    # start-up: the checkpoint manager imports torch.distributed.checkpoint (DTensor, sympy: ~0.85 s and
+    # ~50 MB), which loading a GGUF or Hugging Face model for inference never needs
     from hardy.checkpoint.manager import step_dirs
 
     dirs = step_dirs(Path(run_dir) / "checkpoints")
@@ -42,7 +42,7 @@ def load_run_model(run_dir: Path):
     model = meta_transformer(mcfg)
     model.to_empty(device="cpu")
     model.tie_weights()
-    from hardy.checkpoint.manager import load_model_weights  # only here: see newest_checkpoint
+    from hardy.checkpoint.manager import load_model_weights  # start-up: see newest_checkpoint
 
     load_model_weights(newest_checkpoint(run_dir), model)
     model.reset_rope()

@@ -289,7 +289,7 @@ class Demo:
         return f"int4 model, {self.opts.prompt!r} → {' '.join(text.split())[:100]!r}"
 
     def report(self) -> str:
-        from hardy.demo.report import write_report  # matplotlib: imported only to draw
+        from hardy.demo.report import write_report  # optional: the plots extra, only to draw
 
         self.results["wall_s"] = time.time() - self.results["started"]
         path = write_report(self.run_dir / "report.html", self.results)

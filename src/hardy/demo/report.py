@@ -23,11 +23,11 @@ td.num{text-align:right;white-space:nowrap}th{background:#f3f3f3}img{max-width:1
 
 
 def _pyplot():
-    import matplotlib  # drawing only: not needed to run the demo's stages
+    import matplotlib  # optional: the plots extra, not needed to run the demo's stages
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # not its font-cache notices among the demo's lines
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg")
+    import matplotlib.pyplot as plt  # order: after use("Agg")
     return plt
 
 

@@ -152,7 +152,7 @@ def plot(rows: list[CompareRow], out: Path, title: str) -> None:
     import matplotlib  # start-up: matplotlib loads only when a plot is drawn
 
     matplotlib.use("Agg")  # files only: no display
-    import matplotlib.pyplot as plt  # after use("Agg")
+    import matplotlib.pyplot as plt  # order: after use("Agg")
 
     panels = [("size_bytes", "size on disk (MB)", 1e6, True)]
     if any(r.decode_tps for r in rows):

@@ -190,7 +190,7 @@ def plot(rows: list[SystemResult], path: Path, title: str) -> None:
     import matplotlib  # start-up time: matplotlib only when a plot is asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg")
+    import matplotlib.pyplot as plt  # order: after use("Agg")
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for r in rows:

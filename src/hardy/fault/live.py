@@ -48,7 +48,7 @@ def require_torchft() -> None:
 def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int, quorum_tick_ms: int = 20):
     """torchft's lighthouse in this process (the launcher's); returns it (`.address()`, `.shutdown()`)."""
     require_torchft()
-    from torchft._torchft import LighthouseServer  # the optional `live` extra, as every torchft import here
+    from torchft._torchft import LighthouseServer  # optional: the `ft` extra, as every torchft import here
 
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
@@ -57,14 +57,14 @@ def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, join_timeout_
 def _weights_only_transport(timeout: timedelta):
     """torchft's HTTP checkpoint transport, loading what a peer sends with weights_only=True: the state
     we exchange is tensors, numbers and strings, and a peer's bytes are never unpickled as code."""
-    # the optional `live` extra
+    # optional: the `ft` extra
     from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class WeightsOnlyHTTPTransport(HTTPTransport):
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            import urllib.request  # only a healing process fetches
+            import urllib.request  # start-up: only a healing process fetches
 
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only: copied from
@@ -103,7 +103,7 @@ class LiveReplica:
                  state_fn: Callable[[], dict], load_fn: Callable[[dict], None], timeout_s: float,
                  quorum_timeout_s: float, device: torch.device):
         require_torchft()
-        from torchft.manager import Manager  # the optional `live` extra
+        from torchft.manager import Manager  # optional: the `ft` extra
 
         self.group, self.groups, self.exact = group, groups, exact
         timeout = timedelta(seconds=timeout_s)
@@ -127,7 +127,7 @@ class LiveReplica:
 
     @staticmethod
     def _process_group(device: torch.device, timeout: timedelta):
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL  # the optional `live` extra
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL  # optional: the `ft` extra
 
         return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
 
@@ -148,7 +148,7 @@ class LiveReplica:
     def all_reduce(self, buffer: torch.Tensor) -> bool:
         """Sum `buffer` over the quorum's groups, in place; False if a peer failed (the step must not
         commit; should_commit says so on every rank of the group)."""
-        from torch.distributed import ReduceOp  # beside the torchft imports: only live runs get here
+        from torch.distributed import ReduceOp  # start-up: only live runs get here, beside the torchft imports
 
         work = self.manager.allreduce(buffer, reduce_op=ReduceOp.SUM)
         return bool(work.wait()) and self.manager.errored() is None
@@ -183,7 +183,7 @@ def wait_for_start(group: int, rank: int, timeout_s: float) -> None:
 def _group_store(group_rank: int, timeout_s: float) -> tuple[str, int]:
     """A TCPStore for this attempt of this group, hosted by its rank 0: torchrun's store outlives a
     restart and would hand a replacement the dead attempt's manager address."""
-    # live runs only (start-up time of every other importer of this module)
+    # start-up: live runs only (every other importer of this module need not load them)
     from torch.distributed import TCPStore
     from hardy.parallel import distributed as D
 

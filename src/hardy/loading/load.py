@@ -24,7 +24,7 @@ from hardy.formats.hf import open_hf_dir, read_config
 from hardy.formats.names import check_layer_count, check_weights
 from hardy.formats.packaged import PACKAGED, packaged_gguf
 from hardy.formats.tokenizer import HardyTokenizer
-from hardy.model.config import PRESETS, ModelConfig
+from hardy.model.config import PRESETS, ModelConfig, count_parameters
 from hardy.model.transformer import Transformer, meta_transformer
 from hardy.ops.memory import trim_heap
 
@@ -190,8 +190,6 @@ def load_bytes(spec: str, dtype: torch.dtype = torch.float32, gguf: str = "float
         return total
     if kind == "hf" and is_compressed_dir(path):
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    from hardy.model.config import count_parameters  # the config alone: nothing is read
-
     return count_parameters(config_for(spec)).total * dtype.itemsize
 
 

@@ -148,9 +148,9 @@ def open_gpu_sensors(device_index: int | None, uuid: str | None = None, nvml=Non
         return None
     if nvml is None:
         try:
-            import pynvml as nvml  # optional dependency: nvidia-ml-py, only on GPU machines
+            import pynvml as nvml  # optional: the `gpu` extra (nvidia-ml-py), only on GPU machines
         except ImportError:
-            log.warning("telemetry: nvidia-ml-py is not installed: no GPU sensors (pip install nvidia-ml-py)")
+            log.warning("telemetry: nvidia-ml-py is not installed: no GPU sensors (pip install 'hardy[gpu]')")
             return None
     try:
         return GpuSensors(nvml, device_index, uuid)

@@ -33,7 +33,7 @@ def preload() -> None:
     checkpointed forward/backward and an AdamW step: their first use alone costs ~30 MB), so a run's
     measured memory is its own and does not depend on which features its configuration touches
     first. The trainer calls this before its memory meter starts."""
-    # imported here, at the moment the trainer chooses: that is what this function is for
+    # start-up: imported here, at the moment the trainer chooses: that is what this function is for
     import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401

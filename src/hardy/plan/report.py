@@ -91,10 +91,10 @@ def print_rows(rows: list[tuple[str, str]]) -> str:
 
 def _pyplot():
     require_extra("plots", "drawing a plot or report")
-    import matplotlib  # the optional `plots` extra, and start-up: only reports draw
+    import matplotlib  # optional: the `plots` extra, and start-up: only reports draw
 
     matplotlib.use("Agg")  # files only: no display
-    import matplotlib.pyplot as plt  # after use("Agg")
+    import matplotlib.pyplot as plt  # order: after use("Agg")
     return plt
 
 

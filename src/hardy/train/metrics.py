@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hardy.errors import HardyError
+from hardy.extras import require as require_extra
 
 SCHEMA_VERSION = 1
 STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s", "mfu",
@@ -44,10 +44,8 @@ class MetricsLogger:
         if jsonl:
             self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # optional dependency
-            except ImportError:
-                raise HardyError("log.tensorboard = true needs the tensorboard package: pip install tensorboard") from None
+            require_extra("tensorboard", "log.tensorboard = true")
+            from torch.utils.tensorboard import SummaryWriter  # optional: the `tensorboard` extra
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if progress and sys.stderr.isatty():
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
