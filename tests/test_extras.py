@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src" / "hardy"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # import names whose distribution may not be installed here (GPU-only), by the name pyproject declares
-NOT_INSTALLED_HERE = {"pynvml": "nvidia-ml-py", "tensorboard": "tensorboard"}
+NOT_INSTALLED_HERE = {"tensorboard": "tensorboard"}
 
 
 def dist_name(requirement: str) -> str:

@@ -184,3 +184,48 @@ def test_a_reading_the_binding_lacks_is_absent_and_a_failing_decoder_is_not_hidd
     nvml.nvmlDeviceGetMemoryInfo = broken
     with pytest.raises(AttributeError):
         take_sample(tmp_path, GpuSensors(nvml, 0))
+
+
+def test_the_stand_in_and_the_telemetry_agree_with_the_real_nvml_binding():
+    """The stand-in above is checked against nvidia-ml-py itself (pure Python: it imports without a GPU),
+    not against the code it tests: every name it provides exists in the real binding with the same
+    value or the same number of arguments, every NVML call and constant the telemetry uses exists there,
+    and the throttle bits and NVLink field ids hardy decodes are the binding's own."""
+    import ast
+    import inspect
+
+    import pynvml
+
+    from hardy.ops import telemetry
+
+    fake = fake_nvml(temps=[70], ecc=[0])
+    for name, value in vars(fake).items():
+        if name.startswith("__") or name in ("state", "NVMLError"):
+            continue
+        real = getattr(pynvml, name, None)
+        assert real is not None, f"the stand-in's {name} is not in nvidia-ml-py"
+        if callable(value):
+            fake_params = inspect.signature(value).parameters.values()
+            if any(p.kind is p.VAR_POSITIONAL for p in fake_params):
+                continue
+            required = [p for p in inspect.signature(real).parameters.values() if p.default is p.empty]
+            assert len(list(fake_params)) == len(required), name
+        else:
+            assert value == real, f"{name}: the stand-in has {value}, nvidia-ml-py {real}"
+    assert issubclass(pynvml.NVMLError, Exception)
+
+    source = ast.parse(inspect.getsource(telemetry))
+    called = {n.args[0].value for n in ast.walk(source) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==
+              "_read" and isinstance(n.args[0], ast.Constant)}
+    attributes = {n.attr for n in ast.walk(source) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                  and n.value.id in ("n", "nvml") and n.attr.startswith(("nvml", "NVML"))}
+    assert len(called) >= 10 and len(attributes) >= 8
+    missing = sorted(name for name in called | attributes if not hasattr(pynvml, name))
+    assert not missing, f"the telemetry uses names nvidia-ml-py does not have: {missing}"
+    reasons = {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("nvmlClocksEventReason")}
+    assert {bit: reasons[bit] for bit in telemetry.THROTTLE_BITS} == {
+        0x4: "nvmlClocksEventReasonSwPowerCap", 0x8: "nvmlClocksEventReasonHwSlowdown",
+        0x20: "nvmlClocksEventReasonSwThermalSlowdown", 0x40: "nvmlClocksEventReasonHwThermalSlowdown",
+        0x80: "nvmlClocksEventReasonHwPowerBrakeSlowdown"}
+    assert (telemetry.NVLINK_TX, telemetry.NVLINK_RX) == (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                                                        pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
