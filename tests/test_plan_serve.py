@@ -328,3 +328,23 @@ def test_cli_rerank_workload(catalogue):
     bad = run_hardy("plan", "serve", "--model", "smollm2-135m", "--hardware", "h100-sxm", "--workload", "rerank",
                     "--candidates", "0")
     assert bad.returncode == 2 and "--candidates must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama3.1-8b", "llama3.1-405b", "qwen3-30b-a3b"])
+def test_kv_and_weight_bytes_are_what_hardy_allocates(name):
+    """Against the implementation, not the formula: the bytes per token of the paged KV cache hardy's
+    generate and serve allocate for the model (on the meta device: no memory is touched), and the bytes
+    of the model's own parameters, a tied embedding counted once."""
+    from hardy.infer.kv import PagedKVCache
+    from hardy.model.transformer import meta_transformer
+
+    cfg = PRESETS[name]
+    model = meta_transformer(cfg)
+    for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        cache = PagedKVCache(model, 1, 64, dtype)
+        blocks = cache.pool.blocks
+        per_token = blocks.numel() * blocks.element_size() / (blocks.shape[0] * blocks.shape[4])
+        assert kv_bytes_per_token(cfg, label) == per_token, (name, label)
+        cache.close()
+    stored = sum(p.numel() for p in model.parameters())  # a shared (tied) parameter is yielded once
+    assert weight_bytes(cfg, "fp32") == 4 * stored and weight_bytes(cfg, "fp16") == 2 * stored
