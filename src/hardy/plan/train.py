@@ -156,7 +156,21 @@ def stage_params(arch: Arch, pp: int) -> tuple[float, float]:
     return body + arch.params_embedding, body + head
 
 
-def plan_train(job: TrainJob) -> TrainPlan:
+@dataclass(frozen=True)
+class Layout:
+    """How a job's devices and batch divide: data-parallel degree, the ranks states shard over (all of
+    dp but under HSDP), micro-batches per step and replica, and the recompute mode."""
+    dp: int
+    shard_dp: int
+    dims: ParallelDims
+    micro_batches: int
+    recompute: str
+    recompute_fraction: float
+    virtual_stages: int
+
+
+def check_job(job: TrainJob) -> Layout:
+    """The job's layout, or a one-line error naming what cannot be."""
     arch, hw = job.arch, job.hw
     if job.precision not in STATE_BYTES:
         raise HardyError(f"precision must be fp32, bf16 or fp16 (got {job.precision!r})")
@@ -179,7 +193,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
     if job.dp_replicate > 1 and job.zero != 3:
         raise HardyError(f"HSDP (--dp-replicate {job.dp_replicate}) shards within each replica group: it needs "
                          f"--zero 3, not {job.zero}")
-    shard_dp = dp // job.dp_replicate  # the ranks a state is sharded over (all of dp but under HSDP)
+    shard_dp = dp // job.dp_replicate
     dims = ParallelDims.build(job.devices, dp_replicate=dp if job.zero == 0 else job.dp_replicate,
                               dp_shard=1 if job.zero == 0 else shard_dp, tp=job.tp, pp=job.pp)
     if arch.n_heads % job.tp or arch.n_kv_heads % job.tp:
@@ -189,61 +203,65 @@ def plan_train(job: TrainJob) -> TrainPlan:
     if job.seq > arch.max_seq_len and arch.family == "llama":
         raise HardyError(f"sequence length {job.seq} exceeds the model's context of {arch.max_seq_len}")
     seqs = job.global_batch_tokens / job.seq
-    per_replica = seqs / dp
-    m = per_replica / job.micro_batch
+    m = seqs / dp / job.micro_batch
     if seqs != int(seqs) or m != int(m) or m < 1:
         raise HardyError(f"global batch of {job.global_batch_tokens} tokens = {seqs:g} sequences of {job.seq} does "
                          f"not split into dp = {dp} replicas × micro-batches of {job.micro_batch}")
-    m = int(m)
     recompute, fraction = parse_ac(job.ac)
-    notes: list[str] = []
+    return Layout(dp, shard_dp, dims, int(m), recompute, fraction, v)
 
-    first, last = stage_params(arch, job.pp)
-    params_first, params_last = first / job.tp, last / job.tp
-    params_local = max(params_first, params_last)
+
+def activation_bytes(job: TrainJob, lay: Layout) -> tuple[float, float]:
+    """Activation bytes held at the peak by the first and by the last pipeline stage."""
+    arch = job.arch
     act = ActivationSetup(seq=job.seq, micro_batch=job.micro_batch, tp=job.tp,
                           sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision,
                           cpu=job.hw.kind == "cpu")
     layers = -(-arch.n_layers // job.pp)
     full_layer = layer_activation_bytes(arch, act, "none")
-    if recompute == "none":
+    if lay.recompute == "none":
         per_layer_avg, working = full_layer, 0.0
     else:
-        kept = layer_activation_bytes(arch, act, recompute)
-        per_layer_avg = fraction * kept + (1 - fraction) * full_layer
-        working = full_layer if recompute == "full" else 0.0  # one layer recomputed at a time
+        kept = layer_activation_bytes(arch, act, lay.recompute)
+        per_layer_avg = lay.recompute_fraction * kept + (1 - lay.recompute_fraction) * full_layer
+        working = full_layer if lay.recompute == "full" else 0.0  # one layer recomputed at a time
     # In-flight micro-batches under 1F1B: the first stage holds p of them (L layers' worth);
     # interleaving multiplies that by 1 + (p−1)/(p·v) (Korthikanti et al. §4.2).
-    inflight = min(m, job.pp)
-    interleave = 1 + (job.pp - 1) / (job.pp * v) if job.pp > 1 and job.schedule == "interleaved" else 1.0
+    inflight = min(lay.micro_batches, job.pp)
+    interleave = 1 + (job.pp - 1) / (job.pp * lay.virtual_stages) \
+        if job.pp > 1 and job.schedule == "interleaved" else 1.0
     act_first = layers * per_layer_avg * inflight * interleave + working
     # The loss's transient logits exist at the end of the forward, a recomputed layer's working
     # set during the backward: never both at once.
     out_kept, out_transient = output_activation_bytes(arch, act)
     act_last = layers * per_layer_avg + out_kept + max(working, out_transient)
-    states = {k: model_state_bytes(p, job.zero, shard_dp, job.precision, job.offload) for k, p in
-              (("first", params_first), ("last", params_last))}
+    return act_first, act_last
 
+
+def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: float) -> tuple[dict, float, str]:
+    """(memory per device by part, host memory, the busier pipeline stage)."""
+    arch, hw = job.arch, job.hw
+    params_local = max(params_first, params_last)
+    act_first, act_last = activation_bytes(job, lay)
+    states = {k: model_state_bytes(p, job.zero, lay.shard_dp, job.precision, job.offload) for k, p in
+              (("first", params_first), ("last", params_last))}
     w, g, _ = STATE_BYTES[job.precision]
-    shard = shard_dp if job.zero == 3 else 1
     layer_params = arch.params_per_layer / job.tp
     buffers = 0.0
-    if job.zero == 3 and shard_dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
+    if job.zero == 3 and lay.shard_dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
         buffers += (2 * w + g) * layer_params
     foreach = job.optimizer_foreach if job.optimizer_foreach is not None else hw.kind == "gpu"
     # AdamW temporaries: the multi-tensor path materializes a step-sized copy of the parameters it
     # updates; the per-tensor path one copy of the largest tensor (the embedding).
     largest = max(arch.vocab_size * arch.dim, arch.params_per_layer / 3) / job.tp
-    opt_local = params_local / (shard_dp if job.zero >= 1 else 1)
-    opt_temp = 4 * (opt_local if foreach else min(largest, opt_local))
-    if job.offload != "none":
-        opt_temp = 0.0
+    opt_local = params_local / (lay.shard_dp if job.zero >= 1 else 1)
+    opt_temp = 0.0 if job.offload != "none" else 4 * (opt_local if foreach else min(largest, opt_local))
     peaks = {}
     for stage, acts in (("first", act_first), ("last", act_last)):
         st = states[stage]
         # Gradients outlive the step with a persistent buffer (Megatron/DeepSpeed), DDP's buckets, or
         # accumulation; hardy frees them after each step (set_to_none), and FSDP2 keeps only shards.
-        kept = job.persistent_grads or m > 1 or (dp > 1 and job.zero == 0)
+        kept = job.persistent_grads or lay.micro_batches > 1 or (lay.dp > 1 and job.zero == 0)
         grads_during_backward = st["gradients"] if kept else 0.0
         fwd_bwd = st["weights"] + st["optimizer"] + grads_during_backward + acts + buffers
         opt_step = st["weights"] + st["optimizer"] + st["gradients"] + opt_temp
@@ -254,20 +272,32 @@ def plan_train(job: TrainJob) -> TrainPlan:
     memory = {"weights": st["weights"], "gradients": st["gradients"], "optimizer": st["optimizer"],
               "activations": acts, "buffers": buffers, "optimizer_temporaries": opt_temp,
               "runtime": overhead, "peak": peak + overhead}
-    host = states["first"]["host"]
+    return memory, states["first"]["host"], stage
+
+
+def plan_train(job: TrainJob) -> TrainPlan:
+    arch, hw = job.arch, job.hw
+    lay = check_job(job)
+    first, last = stage_params(arch, job.pp)
+    params_first, params_last = first / job.tp, last / job.tp
+    params_local = max(params_first, params_last)
+    memory, host, stage = memory_plan(job, lay, params_first, params_last)
+    notes: list[str] = []
     if job.pp > 1:
-        notes.append(f"busiest pipeline stage: {stage} ({layers} layers, {inflight} micro-batches in flight)")
-    step = step_time(arch, hw, StepSetup(seq=job.seq, micro_batch=job.micro_batch, micro_batches=m, tp=job.tp,
-                                         pp=job.pp, dp=dp, zero=job.zero, recompute=recompute,
-                                         recompute_fraction=fraction, sequence_parallel=job.sequence_parallel,
-                                         precision=job.precision, virtual_stages=v,
-                                         dp_replicate=job.dp_replicate), params_local)
+        layers = -(-arch.n_layers // job.pp)
+        notes.append(f"busiest pipeline stage: {stage} ({layers} layers, "
+                     f"{min(lay.micro_batches, job.pp)} micro-batches in flight)")
+    step = step_time(arch, hw, StepSetup(seq=job.seq, micro_batch=job.micro_batch, micro_batches=lay.micro_batches,
+                                         tp=job.tp, pp=job.pp, dp=lay.dp, zero=job.zero, recompute=lay.recompute,
+                                         recompute_fraction=lay.recompute_fraction,
+                                         sequence_parallel=job.sequence_parallel, precision=job.precision,
+                                         virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate),
+                     params_local)
     fpt = arch.flops_per_token(job.seq)
-    model_flops = fpt * job.global_batch_tokens
-    plan = TrainPlan(job=job, dims=dims, micro_batches=m, memory=memory, host_memory=host,
-                     params_local=params_local, step=step, flops_per_token=fpt, model_flops_per_step=model_flops,
-                     reliability={}, notes=notes)
-    plan.reliability = reliability(plan, shard_params=params_local / shard)
+    plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=memory, host_memory=host,
+                     params_local=params_local, step=step, flops_per_token=fpt,
+                     model_flops_per_step=fpt * job.global_batch_tokens, reliability={}, notes=notes)
+    plan.reliability = reliability(plan, shard_params=params_local / (lay.shard_dp if job.zero == 3 else 1))
     return plan
 
 
