@@ -272,28 +272,8 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
                layout: WeightLayout | None = None) -> ServePlan:
     """`layout` (with quant="file"): the bytes of the weights as loaded from a file, per kind of matrix,
     instead of one format for all; hardy keeps such a model's KV cache in fp32."""
-    if (quant == FILE) != (layout is not None):
-        raise HardyError("--quant file plans a quantized .gguf file as hardy loads it (give the file as --model)")
-    if layout is None:
-        quant = _quant(quant)
-    kv_dtype = kv_dtype or ("fp32" if quant in ("fp32", FILE) else "fp16")
-    if kv_dtype not in KV_DTYPES:
-        raise HardyError(f"unknown KV cache dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
-    if batch is not None and qps is not None:
-        raise HardyError("give --batch or --qps, not both")
-    if output_tokens < 1 or context < 2:
-        raise HardyError(f"--output-tokens must be >= 1 and --context >= 2 (got {output_tokens}, {context})")
-    if context > model.max_seq_len:
-        raise HardyError(f"--context {context} exceeds {model.name}'s maximum of {model.max_seq_len} tokens")
-    # Default request: a prompt that fills the context up to the output.
-    prompt = context - output_tokens if prompt_tokens is None else prompt_tokens
-    if prompt < 1 or prompt + output_tokens > context:
-        raise HardyError(f"prompt ({prompt}) + output ({output_tokens}) tokens must fit the context ({context}); "
-                         "a prompt needs at least 1 token")
-    if batch is not None and batch < 1:
-        raise HardyError(f"--batch must be >= 1 (got {batch})")
-    if qps is not None and not qps > 0:
-        raise HardyError(f"--qps must be > 0 (got {qps})")
+    quant, kv_dtype, prompt = check_request(model, quant, layout, kv_dtype, context, output_tokens, prompt_tokens,
+                                            batch, qps)
 
     s = shard(model, devices)
     bpw, w_dev, w_total, w_read, row_bytes, quantized = stored_weights(model, devices, quant, layout)
@@ -346,26 +326,10 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         # its batch) and output_tokens - 1 decode steps.
         return b * prefill + (output_tokens - 1) * step(b)[0]
 
-    def capacity(b: int) -> float:  # requests/s a server running batch b completes (Little's law)
-        return b / latency(b)
-
+    notes: list[str] = []
     qps_sustained = qps_max = None
-    notes = []
     if qps is not None:
-        qps_max = capacity(max_batch)  # capacity grows with the batch: per-step cost per sequence falls
-        qps_sustained = qps <= qps_max
-        if qps_sustained:
-            lo, hi = 1, max_batch  # smallest batch whose capacity reaches qps
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if capacity(mid) >= qps else (mid + 1, hi)
-            batch = lo
-            notes.append(f"{qps:g} requests/s × {latency(batch):.2f} s latency = "
-                         f"{qps * latency(batch):.1f} requests in flight (Little's law) <= batch {batch}")
-        else:
-            batch = max_batch
-            notes.append(f"cannot sustain {qps:g} requests/s: at most {qps_max:.3g} at the largest batch "
-                         f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
+        batch, qps_sustained, qps_max = batch_for_qps(qps, max_batch, latency, notes)
     batch = batch or 1
     step_s, mem_s, comp_s, disp_s, comm_s, step_bytes, step_flops = step(batch)
     if moe_note is not None:
@@ -400,6 +364,54 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         cost_per_million_tokens=per_million(throughput), max_batch_throughput_tokens_per_s=max_throughput,
         max_batch_cost_per_million_tokens=per_million(max_throughput), qps=qps, qps_sustained=qps_sustained,
         qps_max=qps_max, notes=notes)
+
+
+def check_request(model: ModelConfig, quant: str, layout, kv_dtype: str | None, context: int, output_tokens: int,
+                  prompt_tokens: int | None, batch: int | None, qps: float | None) -> tuple[str, str, int]:
+    """(quant, KV dtype, prompt tokens) of a request, or a one-line error naming what cannot be."""
+    if (quant == FILE) != (layout is not None):
+        raise HardyError("--quant file plans a quantized .gguf file as hardy loads it (give the file as --model)")
+    if layout is None:
+        quant = _quant(quant)
+    kv_dtype = kv_dtype or ("fp32" if quant in ("fp32", FILE) else "fp16")
+    if kv_dtype not in KV_DTYPES:
+        raise HardyError(f"unknown KV cache dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    if batch is not None and qps is not None:
+        raise HardyError("give --batch or --qps, not both")
+    if output_tokens < 1 or context < 2:
+        raise HardyError(f"--output-tokens must be >= 1 and --context >= 2 (got {output_tokens}, {context})")
+    if context > model.max_seq_len:
+        raise HardyError(f"--context {context} exceeds {model.name}'s maximum of {model.max_seq_len} tokens")
+    # Default request: a prompt that fills the context up to the output.
+    prompt = context - output_tokens if prompt_tokens is None else prompt_tokens
+    if prompt < 1 or prompt + output_tokens > context:
+        raise HardyError(f"prompt ({prompt}) + output ({output_tokens}) tokens must fit the context ({context}); "
+                         "a prompt needs at least 1 token")
+    if batch is not None and batch < 1:
+        raise HardyError(f"--batch must be >= 1 (got {batch})")
+    if qps is not None and not qps > 0:
+        raise HardyError(f"--qps must be > 0 (got {qps})")
+    return quant, kv_dtype, prompt
+
+
+def batch_for_qps(qps: float, max_batch: int, latency, notes: list[str]) -> tuple[int, bool, float]:
+    """(batch, sustained, the most requests/s the largest batch completes): the smallest batch whose
+    capacity, batch / latency(batch) by Little's law, reaches `qps`, else the largest; a note says which."""
+    def capacity(b: int) -> float:
+        return b / latency(b)
+
+    qps_max = capacity(max_batch)  # capacity grows with the batch: per-step cost per sequence falls
+    if qps > qps_max:
+        notes.append(f"cannot sustain {qps:g} requests/s: at most {qps_max:.3g} at the largest batch "
+                     f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
+        return max_batch, False, qps_max
+    lo, hi = 1, max_batch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if capacity(mid) >= qps else (mid + 1, hi)
+    notes.append(f"{qps:g} requests/s × {latency(lo):.2f} s latency = "
+                 f"{qps * latency(lo):.1f} requests in flight (Little's law) <= batch {lo}")
+    return lo, True, qps_max
 
 
 def dispatch_s(hw: Hardware, ops: int, kernels_s: float) -> float:
