@@ -238,3 +238,24 @@ def test_loader_batches_are_pinned_for_asynchronous_copies(micro_dataset):
     loader = PackedLoader(load_split(micro_dataset, "train"), 64, 4, pin_memory=True)
     assert loader.next_rows().is_pinned()
     assert json.dumps(loader.state_dict())  # the position stays plain data
+
+
+@pytest.mark.parametrize("dtype, masked", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True),
+                                           (torch.bfloat16, False)])
+def test_gqa_attention_keeps_a_fused_sdpa_kernel(dtype, masked):
+    """Grouped KV heads on CUDA run in the flash or the memory-efficient SDPA kernel, never the math one
+    (which holds the whole score matrix): with the math kernel disabled every call still runs, and
+    agrees with the CPU's fp32 attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hardy.model.transformer import attend, attention_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 256, 64, generator=g) for heads in (32, 8, 8))
+    mask = attention_mask(torch.arange(256), 256, window=128) if masked else None
+    want = attend(q, k, v, mask, causal=not masked, scale=None, cap=None)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = attend(*(t.cuda().to(dtype) for t in (q, k, v)), None if mask is None else mask.cuda(),
+                     causal=not masked, scale=None, cap=None)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)

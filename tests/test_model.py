@@ -114,3 +114,35 @@ def test_presets_of_real_models_have_their_published_parameter_counts():
         assert cfg.name == name
         if name in PUBLISHED_PARAMS:
             assert sum(p.numel() for p in meta_transformer(cfg).parameters()) == PUBLISHED_PARAMS[name], name
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_expanded_kv_heads_give_native_gqa_attention(masked):
+    """The two ways attend() runs grouped KV heads through SDPA (native enable_gqa, or K/V repeated per
+    query head: what CUDA needs to keep a fused kernel for fp32 or masked calls) agree, values and
+    gradients; and the choice between them follows the device, dtype and mask."""
+    import types
+
+    from hardy.model.transformer import attend, attention_mask, expand_kv_for_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 5, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 5, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 5, 16, generator=g, requires_grad=True)
+    mask = attention_mask(torch.arange(5), 5, window=3) if masked else None
+    outs = []
+    for expand in (False, True):
+        out = attend(q, k, v, mask, causal=not masked, scale=None, cap=None, expand_kv=expand)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        outs.append((out.detach(), grads))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    def fake(cuda: bool, dtype) -> types.SimpleNamespace:
+        return types.SimpleNamespace(is_cuda=cuda, dtype=dtype)
+
+    assert not expand_kv_for_sdpa(fake(False, torch.float32), mask)  # CPU: native GQA costs no copy
+    assert expand_kv_for_sdpa(fake(True, torch.float32), None)  # flash takes no fp32
+    assert expand_kv_for_sdpa(fake(True, torch.bfloat16), torch.ones(1, dtype=torch.bool))  # nor a mask
+    assert not expand_kv_for_sdpa(fake(True, torch.bfloat16), None)  # flash, with native GQA

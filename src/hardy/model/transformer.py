@@ -146,13 +146,26 @@ def attention_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch
     return allowed
 
 
-def attend(q, k, v, mask, causal: bool, scale: float | None, cap: float | None) -> torch.Tensor:
-    """softmax(q·kᵀ · scale [soft-capped], masked) · v with grouped KV heads."""
+def expand_kv_for_sdpa(q: torch.Tensor, mask) -> bool:
+    """Whether grouped K/V heads must be expanded before SDPA to keep a fused kernel: on CUDA, SDPA's
+    native GQA (enable_gqa) runs only in the flash kernel, which takes neither fp32 nor an explicit
+    mask; such a call would fall back to the math kernel (the whole score matrix in memory). Expanded,
+    it runs in the memory-efficient kernel. Elsewhere native GQA costs no copy and stays."""
+    return q.is_cuda and (mask is not None or q.dtype == torch.float32)
+
+
+def attend(q, k, v, mask, causal: bool, scale: float | None, cap: float | None,
+           expand_kv: bool | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ · scale [soft-capped], masked) · v with grouped KV heads. `expand_kv`: repeat the
+    KV heads for each query head instead of SDPA's native GQA (default: expand_kv_for_sdpa)."""
+    groups = q.shape[1] // k.shape[1]
     if cap is None:
-        # GQA inside the kernel: no repeated copies of K/V (and none to sum back in backward).
+        if groups > 1 and (expand_kv_for_sdpa(q, mask) if expand_kv is None else expand_kv):
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # native GQA inside the kernel otherwise: no repeated copies of K/V (and none to sum back in backward)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
-    groups = q.shape[1] // k.shape[1]  # SDPA has no soft-cap: the scores are computed here
+    # SDPA has no soft-cap: the scores are computed here
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = softcap((q @ k.transpose(-1, -2)).float() * (scale or q.shape[-1] ** -0.5), cap)
     if causal:
