@@ -259,3 +259,25 @@ def test_gqa_attention_keeps_a_fused_sdpa_kernel(dtype, masked):
                      causal=not masked, scale=None, cap=None)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_the_straggler_monitor_sees_a_slow_gpu():
+    """The monitor's compute time is the GPU's (CUDA events), not the host's: queued kernels that the
+    host has long finished launching count in full."""
+    from hardy.fault.straggler import StragglerMonitor
+
+    a = torch.randn(4096, 4096, device="cuda")
+    a @ a
+    torch.cuda.synchronize()
+    monitor = StragglerMonitor(100, 1.5, 0, torch.device("cuda"), lambda: None, lambda *args: None)
+    monitor.before_step(1)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a = a @ a / 64
+    queued = time.perf_counter() - t0
+    monitor.compute_done()
+    a.sum().item()  # the step's read-back
+    truth = time.perf_counter() - t0
+    monitor.after_step(1)
+    assert monitor.compute[0] > 3 * queued and abs(monitor.compute[0] - truth) < 0.2 * truth, \
+        (queued, monitor.compute, truth)

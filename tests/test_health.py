@@ -229,3 +229,40 @@ def test_the_stand_in_and_the_telemetry_agree_with_the_real_nvml_binding():
         0x80: "nvmlClocksEventReasonHwPowerBrakeSlowdown"}
     assert (telemetry.NVLINK_TX, telemetry.NVLINK_RX) == (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
                                                         pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+
+
+def test_on_cuda_a_step_is_timed_by_the_gpus_events_not_the_host_clock(monkeypatch):
+    """Kernels run asynchronously: the host reaches the step's all-reduce long before a slow GPU has
+    finished. The monitor's compute time is the GPU's, from events recorded on the stream at the step's
+    start and where its compute ends (their elapsed time, read after the step's read-back)."""
+    import torch
+
+    from hardy.fault.straggler import StragglerMonitor
+
+    recorded = []
+
+    class Event:  # torch.cuda.Event's calls as the monitor makes them
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = len(recorded) * 0.25  # the GPU's clock: each record a quarter second on
+            recorded.append(self)
+
+        def elapsed_time(self, end) -> float:
+            assert self.at is not None and end.at is not None
+            return 1000 * (end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monitor = StragglerMonitor(100, 1.5, 0, torch.device("cuda"), lambda: None, lambda *a: None)
+    monitor.before_step(1)
+    monitor.compute_done()
+    monitor.after_step(1)
+    assert monitor.compute == [0.25] and len(recorded) == 2
+    assert monitor.wait[0] == 0.0  # the host took no time at all, the GPU a quarter second
+    # a CPU step is still timed by the CPU seconds of torch's threads
+    cpu = StragglerMonitor(100, 1.5, 0, torch.device("cpu"), lambda: None, lambda *a: None)
+    cpu.before_step(1)
+    cpu.after_step(1)
+    assert len(recorded) == 2 and cpu.compute[0] < 0.25

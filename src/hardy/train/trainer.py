@@ -376,6 +376,8 @@ class Trainer:
         sq_norm = grad_sq_norm(params, device)
         nonfinite = (~torch.isfinite(loss_sum) | ~torch.isfinite(sq_norm)).double()
         t_sync = time.perf_counter()
+        if self.straggler is not None:
+            self.straggler.compute_done()
         stop = torch.full((), float(self.stop.requested), dtype=torch.float64, device=device)  # a fill, not a copy
         # any rank non-finite -> all skip; any rank asked to stop -> all stop after this step
         summed = D.all_reduce_sum(torch.stack([loss_sum / accum, nonfinite, stop]))
