@@ -300,3 +300,58 @@ def test_hsdp_on_the_command_line():
     assert (parallel["zero"], parallel["dp_shard"], parallel["dp_replicate"]) == (3, 8, 4)
     with pytest.raises(HardyError, match="must divide the data-parallel degree 32"):
         plan_train(hsdp_job(dp_replicate=5))
+
+
+def test_context_parallelism_splits_each_sequence():
+    """cp 2 on 16 H100s against FSDP over the same 16: each device holds the activations of half of each
+    sequence and the same state shards; it runs twice the micro-batches of half the tokens (the same
+    FLOPs per step); its attention K/V go round the ring, hidden where the attention takes longer."""
+    from hardy.plan.memory import ActivationSetup, layer_activation_bytes
+    from hardy.plan.timing import StepSetup, layer_gemm_flops
+
+    arch = load_arch("llama3.1-8b")
+    base = dict(arch=arch, hw=get_hardware("h100-sxm"), devices=16, seq=8192, global_batch_tokens=32 * 8192,
+                zero=3, ac="none")
+    one, two = plan_train(TrainJob(**base)), plan_train(TrainJob(**base, cp=2))
+    assert two.micro_batches == 2 * one.micro_batches and two.to_dict()["parallel"]["cp"] == 2
+    for part in ("weights", "gradients", "optimizer"):
+        assert two.memory[part] == pytest.approx(one.memory[part])
+    layer = layer_activation_bytes(arch, ActivationSetup(seq=8192, micro_batch=1, tp=1))
+    assert layer_activation_bytes(arch, ActivationSetup(seq=4096, micro_batch=1, tp=1)) == pytest.approx(layer / 2)
+    assert two.step.hardware_flops == pytest.approx(one.step.hardware_flops)
+    fwd1, core1 = layer_gemm_flops(arch, StepSetup(seq=8192, micro_batch=1, micro_batches=1))
+    fwd2, core2 = layer_gemm_flops(arch, StepSetup(seq=8192, micro_batch=1, micro_batches=1, cp=2))
+    assert (fwd2, core2) == pytest.approx((fwd1 / 2, core1 / 2))  # the causal work balanced over the ranks
+
+
+def test_ring_attention_exposes_only_what_the_attention_core_does_not_hide():
+    from hardy.plan.hardware import hardware_from_dict
+    from hardy.plan.timing import StepSetup, ring_attention_exposed
+
+    arch = load_arch("llama3.1-8b")  # kv_dim 1024
+    slow = hardware_from_dict("slow", {
+        "kind": "gpu", "peak_tflops": {"fp32": 1.0, "bf16": 10.0}, "memory_gb": 80, "bandwidth_gbs": 1000,
+        "flops_efficiency": 1.0, "bandwidth_efficiency": 1.0, "devices_per_node": 8,
+        "intra_node": {"name": "x", "bandwidth_gbs": 1.0, "latency_us": 10.0, "efficiency": 1.0},
+        "inter_node": {"name": "y", "bandwidth_gbs": 0.5, "latency_us": 10.0, "efficiency": 1.0}})
+    s = StepSetup(seq=4096, micro_batch=1, micro_batches=1, cp=4)
+    # this rank's 1,024 tokens of K and V in bf16, around 3 hops forward and 3 x 3 backward
+    hop = 2 * 1024 * 1024 * 2 / 1e9 + 10e-6
+    assert ring_attention_exposed(arch, slow, s, core_s=0.0) == pytest.approx(12 * hop)
+    assert ring_attention_exposed(arch, slow, s, core_s=0.01) == pytest.approx(12 * hop - 0.01)
+    assert ring_attention_exposed(arch, slow, s, core_s=1.0) == 0.0
+    assert ring_attention_exposed(arch, slow, StepSetup(seq=4096, micro_batch=1, micro_batches=1), 0.0) == 0.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cp", "3", "--devices", "24", "--seq", "4096"], "--seq 4096 does not split into 2 x cp = 6 equal chunks"),
+    (["--cp", "2", "--devices", "6", "--tp", "2", "--seq", "4096"], "tp × pp × cp = 4 does not divide 6 devices"),
+    (["--cp", "2", "--devices", "16", "--model", "gpt-22b"], "ring attention) needs flash attention"),
+])
+def test_impossible_context_parallel_layouts_are_one_line_errors(args, message):
+    base = {"--model": "llama3.1-8b", "--hardware": "h100-sxm"}
+    for flag in base:
+        if flag not in args:
+            args = [flag, base[flag], *args]
+    proc = hardy_main("plan", "train", *args)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

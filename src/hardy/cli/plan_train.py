@@ -49,7 +49,9 @@ def register_train(group) -> None:
     p.add_argument("--dp-shard", type=int, default=None, help="HSDP: FSDP within groups of this many data-parallel "
                    "ranks (a node, typically)")
     p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: that many replicas of the sharded "
-                   "model (across nodes); dp-shard x dp-replicate = devices / (tp x pp)")
+                   "model (across nodes); dp-shard x dp-replicate = devices / (tp x pp x cp)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many "
+                   "ranks (ring attention, load-balanced causal chunks)")
     p.add_argument("--ac", default="none", help="activation recompute: none, selective (GPT), full, every:K")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--offload", default="none", choices=["none", "optimizer", "params"])
@@ -71,12 +73,14 @@ def _hsdp(args) -> tuple[int, int | None, int]:
     if args.zero not in (None, 3):
         raise HardyError(f"--dp-shard / --dp-replicate (HSDP) shard within each replica group: they need --zero 3, "
                          f"not {args.zero}")
-    dp = args.devices // (args.tp * args.pp)
+    model_parallel = args.tp * args.pp * args.cp
+    dp = args.devices // model_parallel
     replicate = args.dp_replicate or dp // args.dp_shard
     shard = args.dp_shard or dp // replicate
     if min(shard, replicate) < 1 or shard * replicate != dp or (args.dp is not None and args.dp != dp):
-        raise HardyError(f"--dp-shard {shard} x --dp-replicate {replicate} must equal devices / (tp x pp) = "
-                         f"{args.devices} / {args.tp * args.pp} = {dp}")
+        what = "tp x pp x cp" if args.cp > 1 else "tp x pp"
+        raise HardyError(f"--dp-shard {shard} x --dp-replicate {replicate} must equal devices / ({what}) = "
+                         f"{args.devices} / {model_parallel} = {dp}")
     return 3, dp, replicate
 
 
@@ -88,7 +92,7 @@ def _job(args, hw, arch):
                     tokens=args.tokens, precision=args.precision, device_mtbf_hours=args.device_mtbf_hours,
                     restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
                         tp=args.tp, pp=args.pp, **dict(zip(("zero", "dp", "dp_replicate"), _hsdp(args))),
-                        ac=args.ac, micro_batch=args.micro_batch,
+                        ac=args.ac, micro_batch=args.micro_batch, cp=args.cp,
                         offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 

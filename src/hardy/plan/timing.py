@@ -65,10 +65,18 @@ class StepSetup:
     virtual_stages: int = 1  # interleaved 1F1B
     devices_per_process: float = 1.0  # CPU hosts: a process's share of the probed machine
     dp_replicate: int = 1  # HSDP: ZeRO-3 within groups of dp / dp_replicate, replicated across them
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention, load-balanced causal)
 
     @property
     def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
+        """Ranks a state shards over and gradients reduce across: the data-parallel ones in a sharding
+        group, times the context-parallel ones (which see other tokens of the same sequences)."""
+        return self.dp // self.dp_replicate * self.cp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of a micro-batch on one device: its share of each sequence under context parallelism."""
+        return self.seq * self.micro_batch // self.cp
 
 
 def compute_dtype(hw: Hardware, precision: str) -> str:
@@ -77,9 +85,10 @@ def compute_dtype(hw: Hardware, precision: str) -> str:
 
 def layer_gemm_flops(arch: Arch, s: StepSetup) -> tuple[float, float]:
     """(forward GEMM FLOPs of one layer on one TP rank, of which the attention core)."""
-    tokens = s.seq * s.micro_batch
+    tokens = s.tokens
     matmul_params = arch.layer_matmul_params()
     # Q·K^T and P·V: 4·s·(a·d_h) per token; a causal flash kernel (hardy's SDPA) skips the masked half.
+    # Under context parallelism each rank's queries meet all s keys, the causal half balanced over ranks.
     core = 4 * tokens * s.seq * arch.q_dim * (0.5 if arch.flash_attention else 1.0)
     return (2 * tokens * matmul_params + core) / s.tp, core / s.tp
 
@@ -102,7 +111,7 @@ def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False)
     residual adds read 2h and write h, GeLU reads f and writes f, dropout on h, and the unfused
     softmax and dropout each read and write a·s scores.
     """
-    h, e, tokens = arch.dim, ACT_BYTES[s.precision], s.seq * s.micro_batch
+    h, e, tokens = arch.dim, ACT_BYTES[s.precision], s.tokens
     if arch.family == "llama":
         if scores_only:
             return 0.0
@@ -124,7 +133,7 @@ def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False)
 def model_elementwise_bytes(arch: Arch, s: StepSetup) -> float:
     """Bytes moved outside the layers per micro-batch (last pipeline stage): the loss over the
     vocabulary, embedding and final norm."""
-    tokens = s.seq * s.micro_batch
+    tokens = s.tokens
     if arch.family == "llama":
         c = LLAMA_MODEL_ELEMENTS
         return ((c["h"] * arch.dim + c["v"] * arch.vocab_size / s.tp) * tokens
@@ -135,7 +144,7 @@ def model_elementwise_bytes(arch: Arch, s: StepSetup) -> float:
 def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link) -> float:
     if s.tp <= 1:
         return 0.0
-    nbytes = s.seq * s.micro_batch * arch.dim * ACT_BYTES[s.precision]
+    nbytes = s.tokens * arch.dim * ACT_BYTES[s.precision]
     count = 4 + (2 * s.recompute_fraction if s.recompute == "full" else 0)
     if s.sequence_parallel:
         return count * 2 * ring_allgather(nbytes, s.tp, link)
@@ -165,7 +174,21 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     elif s.recompute == "selective":  # the forward's norms, RoPE and activations run twice
         elem *= 1 + s.recompute_fraction / 3
     return {"flops": proj + attn, "gemm": proj / gemm_rate + attn / attn_rate,
-            "elementwise": elem / hw.elementwise_rate(), "tp": tp_comm_per_layer(arch, s, hw.link(s.tp))}
+            "elementwise": elem / hw.elementwise_rate(),
+            "tp": tp_comm_per_layer(arch, s, hw.link(s.tp)) + ring_attention_exposed(arch, hw, s, attn / attn_rate)}
+
+
+def ring_attention_exposed(arch: Arch, hw: Hardware, s: StepSetup, core_s: float) -> float:
+    """Context parallelism's K/V exchange for one layer, fwd + bwd, beyond what the attention core hides.
+    Ring attention passes each rank's K and V chunk around the cp ranks: cp − 1 hops forward; backward
+    passes K and V again with their gradients (3× the forward's bytes). Each hop overlaps the attention
+    on the chunk already there, so only what exceeds the core's time shows."""
+    if s.cp <= 1:
+        return 0.0
+    link = hw.link(s.cp * s.tp)
+    chunk = 2 * s.tokens * arch.kv_dim / s.tp * ACT_BYTES[s.precision]  # this rank's K and V
+    hop = chunk / (link.bandwidth * link.efficiency) + link.latency
+    return max(0.0, 4 * (s.cp - 1) * hop - core_s)
 
 
 @dataclass
@@ -190,7 +213,8 @@ def data_parallel_seconds(hw: Hardware, s: StepSetup, params_local: float, layer
     """The data-parallel collectives of one step, before any overlap: the gradients' all-reduce (or
     reduce-scatter from ZeRO-2 on), ZeRO-3's parameter all-gathers (forward and backward, every
     micro-batch, one per layer), ZeRO-1/2's all-gather of the updated shards, and under HSDP the
-    all-reduce of each gradient shard across the replica groups."""
+    all-reduce of each gradient shard across the replica groups. Context-parallel ranks join the
+    sharding group (they hold gradients of other tokens of the same sequences)."""
     w_bytes, g_bytes, _ = STATE_BYTES[s.precision]
     shard = s.dp_shard
     link = hw.link(shard * s.tp * s.pp)  # the sharding group's fabric (inside a node where it fits)
@@ -205,7 +229,8 @@ def data_parallel_seconds(hw: Hardware, s: StepSetup, params_local: float, layer
     elif s.zero >= 1:  # updated shards are all-gathered back
         total += ring_allgather(w_bytes * params_local, shard, link)
     if s.dp_replicate > 1:  # each device's gradient shard, across the groups (spanning the whole job)
-        total += ring_allreduce(g_bytes * params_local / shard, s.dp_replicate, hw.link(s.dp * s.tp * s.pp))
+        total += ring_allreduce(g_bytes * params_local / shard, s.dp_replicate,
+                                hw.link(s.dp * s.cp * s.tp * s.pp))
     return total
 
 
@@ -216,7 +241,7 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     bw = hw.achievable_bandwidth()
     layers = -(-arch.n_layers // s.pp)  # the busiest stage
     layer = layer_seconds(arch, hw, s)
-    tokens = s.seq * s.micro_batch
+    tokens = s.tokens
     head_flops = 3 * 2 * tokens * arch.vocab_size * arch.dim / s.tp  # last stage: logits fwd + bwd
     mb_flops = layers * layer["flops"] + head_flops
     mb_compute = layers * layer["gemm"] + head_flops / hw.gemm_rate(dtype, arch.dim)

@@ -30,6 +30,7 @@ class TrainJob:
     dp: int | None = None  # default: devices ÷ (tp·pp)
     zero: int = 0  # 0 DDP, 1/2 ZeRO, 3 ZeRO-3 / FSDP full shard
     dp_replicate: int = 1  # HSDP: FSDP (zero 3) within groups of dp / dp_replicate, replicated across them
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     ac: str = "none"  # none | selective | full | every:K
     micro_batch: int = 1
     offload: str = "none"  # none | optimizer | params
@@ -66,7 +67,8 @@ class TrainPlan:
         """The configuration in one short line (search results, plots)."""
         j = self.job
         hsdp = f" hsdp{j.dp_replicate}x{self.dims.dp // j.dp_replicate}" if j.dp_replicate > 1 else ""
-        return f"tp{j.tp} pp{j.pp} dp{self.dims.dp}{hsdp} z{j.zero} {j.ac} mb{j.micro_batch}"
+        cp = f" cp{j.cp}" if j.cp > 1 else ""
+        return f"tp{j.tp} pp{j.pp} dp{self.dims.dp}{hsdp}{cp} z{j.zero} {j.ac} mb{j.micro_batch}"
 
     @property
     def peak_memory(self) -> float:
@@ -118,6 +120,7 @@ class TrainPlan:
         return {"model": self.job.arch.name, "hardware": self.job.hw.name, "devices": self.job.devices,
                 "parallel": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": self.job.zero,
                              "dp_replicate": self.job.dp_replicate, "dp_shard": self.dims.dp // self.job.dp_replicate,
+                             "cp": self.job.cp,
                              "ac": self.job.ac, "micro_batch": self.job.micro_batch,
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "sequence_parallel": self.job.sequence_parallel,
@@ -158,8 +161,9 @@ def stage_params(arch: Arch, pp: int) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a job's devices and batch divide: data-parallel degree, the ranks states shard over (all of
-    dp but under HSDP), micro-batches per step and replica, and the recompute mode."""
+    """How a job's devices and batch divide: data-parallel degree, the ranks states shard over (the
+    data-parallel ranks of a sharding group, all of dp but under HSDP, times the context-parallel ones),
+    micro-batches per step and replica, and the recompute mode."""
     dp: int
     shard_dp: int
     dims: ParallelDims
@@ -184,18 +188,26 @@ def check_job(job: TrainJob) -> Layout:
     v = job.virtual_stages if job.schedule == "interleaved" else 1
     if v < 1:
         raise HardyError(f"virtual stages must be >= 1 (got {v})")
-    model_parallel = job.tp * job.pp
+    if job.cp < 1:
+        raise HardyError(f"--cp must be >= 1 (got {job.cp})")
+    if job.cp > 1 and not arch.flash_attention:
+        raise HardyError(f"context parallelism (ring attention) needs flash attention; {arch.name} has none")
+    if job.seq % (2 * job.cp):
+        raise HardyError(f"--seq {job.seq} does not split into 2 x cp = {2 * job.cp} equal chunks (the "
+                         "load-balanced causal ring attention)")
+    model_parallel = job.tp * job.pp * job.cp
     if job.dp is None and job.devices % model_parallel:
-        raise HardyError(f"tp × pp = {model_parallel} does not divide {job.devices} devices")
+        what = "tp × pp × cp" if job.cp > 1 else "tp × pp"
+        raise HardyError(f"{what} = {model_parallel} does not divide {job.devices} devices")
     dp = job.dp if job.dp is not None else job.devices // model_parallel
     if job.dp_replicate < 1 or dp % job.dp_replicate:
         raise HardyError(f"--dp-replicate {job.dp_replicate} must divide the data-parallel degree {dp}")
     if job.dp_replicate > 1 and job.zero != 3:
         raise HardyError(f"HSDP (--dp-replicate {job.dp_replicate}) shards within each replica group: it needs "
                          f"--zero 3, not {job.zero}")
-    shard_dp = dp // job.dp_replicate
-    dims = ParallelDims.build(job.devices, dp_replicate=dp if job.zero == 0 else job.dp_replicate,
-                              dp_shard=1 if job.zero == 0 else shard_dp, tp=job.tp, pp=job.pp)
+    shard_dp = dp // job.dp_replicate * job.cp
+    dims = ParallelDims.build(job.devices // job.cp, dp_replicate=dp if job.zero == 0 else job.dp_replicate,
+                              dp_shard=1 if job.zero == 0 else dp // job.dp_replicate, tp=job.tp, pp=job.pp)
     if arch.n_heads % job.tp or arch.n_kv_heads % job.tp:
         raise HardyError(f"tp = {job.tp} must divide the {arch.n_heads} attention and {arch.n_kv_heads} KV heads")
     if job.pp > arch.n_layers:
@@ -214,7 +226,7 @@ def check_job(job: TrainJob) -> Layout:
 def activation_bytes(job: TrainJob, lay: Layout) -> tuple[float, float]:
     """Activation bytes held at the peak by the first and by the last pipeline stage."""
     arch = job.arch
-    act = ActivationSetup(seq=job.seq, micro_batch=job.micro_batch, tp=job.tp,
+    act = ActivationSetup(seq=job.seq // job.cp, micro_batch=job.micro_batch, tp=job.tp,
                           sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision,
                           cpu=job.hw.kind == "cpu")
     layers = -(-arch.n_layers // job.pp)
@@ -261,7 +273,7 @@ def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: fl
         st = states[stage]
         # Gradients outlive the step with a persistent buffer (Megatron/DeepSpeed), DDP's buckets, or
         # accumulation; hardy frees them after each step (set_to_none), and FSDP2 keeps only shards.
-        kept = job.persistent_grads or lay.micro_batches > 1 or (lay.dp > 1 and job.zero == 0)
+        kept = job.persistent_grads or lay.micro_batches > 1 or (lay.dp * job.cp > 1 and job.zero == 0)
         grads_during_backward = st["gradients"] if kept else 0.0
         fwd_bwd = st["weights"] + st["optimizer"] + grads_during_backward + acts + buffers
         opt_step = st["weights"] + st["optimizer"] + st["gradients"] + opt_temp
@@ -291,7 +303,8 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          tp=job.tp, pp=job.pp, dp=lay.dp, zero=job.zero, recompute=lay.recompute,
                                          recompute_fraction=lay.recompute_fraction,
                                          sequence_parallel=job.sequence_parallel, precision=job.precision,
-                                         virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate),
+                                         virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
+                                         cp=job.cp),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=memory, host_memory=host,
