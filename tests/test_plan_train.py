@@ -355,3 +355,39 @@ def test_impossible_context_parallel_layouts_are_one_line_errors(args, message):
             args = [flag, base[flag], *args]
     proc = hardy_main("plan", "train", *args)
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_fp8_runs_the_linears_at_the_fp8_rate_and_pays_their_casts():
+    """--fp8 on an 8B layer, by hand: its projections' GEMM time at the fp8 peak (1,979 against bf16's 989 TF/s),
+    the attention core's unchanged, and the cast traffic counted from the recipe: every linear's input
+    (q, k, v each cast their own copy of the input, w1 and w3 theirs), output gradient and weight."""
+    from hardy.plan.timing import StepSetup, fp8_cast_bytes, layer_gemm_flops, layer_seconds
+
+    arch, hw = load_arch("llama3.1-8b"), get_hardware("h100-sxm")
+    s = dict(seq=2048, micro_batch=1, micro_batches=1)
+    inputs = 5 * 4096 + 4096 + 14336  # wq wk wv w1 w3 read h each, wo q, w2 f
+    grads = (4096 + 2 * 1024) + 4096 + 2 * 14336 + 4096  # their outputs
+    params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert fp8_cast_bytes(arch, StepSetup(**s, fp8="tensorwise")) == 8 * (2048 * (inputs + grads) + params)
+    assert fp8_cast_bytes(arch, StepSetup(**s, fp8="rowwise")) == 10 * (2048 * (inputs + grads) + params)
+    assert fp8_cast_bytes(arch, StepSetup(**s)) == 0
+    fwd, core = layer_gemm_flops(arch, StepSetup(**s))
+    bf16, fp8 = layer_seconds(arch, hw, StepSetup(**s)), layer_seconds(arch, hw, StepSetup(**s, fp8="tensorwise"))
+    rate, attn_rate = hw.gemm_rate("bf16", 4096), hw.attention_rate("bf16", 128)
+    assert bf16["gemm"] == pytest.approx(3 * (fwd - core) / rate + 3 * core / attn_rate)
+    assert hw.gemm_rate("fp8", 4096) == pytest.approx(rate * 1979 / 989)
+    assert fp8["gemm"] == pytest.approx(3 * (fwd - core) / hw.gemm_rate("fp8", 4096) + 3 * core / attn_rate)
+    assert fp8["elementwise"] == pytest.approx(bf16["elementwise"] + 8 * (2048 * (inputs + grads) + params)
+                                               / hw.elementwise_rate())
+    job = dict(arch=arch, hw=hw, devices=8, seq=2048, global_batch_tokens=8 * 2048, zero=3)
+    plain, fast = plan_train(TrainJob(**job)), plan_train(TrainJob(**job, fp8="tensorwise"))
+    assert fast.step_s < plain.step_s and fast.memory == plain.memory  # activations kept in bf16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "a100-80g", "--fp8", "tensorwise"], "a100-80g has no fp8 arithmetic"),
+    (["--hardware", "h100-sxm", "--fp8", "rowwise", "--precision", "fp32"], "it needs --precision bf16, not fp32"),
+])
+def test_impossible_fp8_layouts_are_one_line_errors(args, message):
+    proc = hardy_main("plan", "train", "--model", "llama3.1-8b", "--devices", "8", *args)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -50,6 +50,9 @@ def register_train(group) -> None:
                    "ranks (a node, typically)")
     p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: that many replicas of the sharded "
                    "model (across nodes); dp-shard x dp-replicate = devices / (tp x pp x cp)")
+    p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
+                   help="the blocks' linear GEMMs in fp8 with tensorwise or rowwise scaling (torchao float8); "
+                        "attention and the LM head stay bf16")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many "
                    "ranks (ring attention, load-balanced causal chunks)")
     p.add_argument("--ac", default="none", help="activation recompute: none, selective (GPT), full, every:K")
@@ -92,7 +95,7 @@ def _job(args, hw, arch):
                     tokens=args.tokens, precision=args.precision, device_mtbf_hours=args.device_mtbf_hours,
                     restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
                         tp=args.tp, pp=args.pp, **dict(zip(("zero", "dp", "dp_replicate"), _hsdp(args))),
-                        ac=args.ac, micro_batch=args.micro_batch, cp=args.cp,
+                        ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 

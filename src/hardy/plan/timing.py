@@ -66,6 +66,7 @@ class StepSetup:
     devices_per_process: float = 1.0  # CPU hosts: a process's share of the probed machine
     dp_replicate: int = 1  # HSDP: ZeRO-3 within groups of dp / dp_replicate, replicated across them
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention, load-balanced causal)
+    fp8: str = "none"  # none | tensorwise | rowwise: the layers' linear GEMMs in fp8 (torchao float8 training)
 
     @property
     def dp_shard(self) -> int:
@@ -166,6 +167,7 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     proj, attn = 3 * (fwd - core) + extra_proj, 3 * core + extra_core
     gemm_rate = hw.gemm_rate(dtype, arch.dim)
     attn_rate = hw.attention_rate(dtype, arch.head_dim) if arch.flash_attention else gemm_rate
+    proj_rate = hw.gemm_rate("fp8", arch.dim) if s.fp8 != "none" else gemm_rate  # the attention core stays bf16
     elem = layer_elementwise_bytes(arch, s)
     if s.recompute == "full":  # the forward (a third of the traffic) runs twice
         elem *= 1 + s.recompute_fraction / 3
@@ -173,9 +175,33 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
         elem += s.recompute_fraction / 3 * layer_elementwise_bytes(arch, s, scores_only=True)
     elif s.recompute == "selective":  # the forward's norms, RoPE and activations run twice
         elem *= 1 + s.recompute_fraction / 3
-    return {"flops": proj + attn, "gemm": proj / gemm_rate + attn / attn_rate,
+    elem += fp8_cast_bytes(arch, s) * (1 + (s.recompute_fraction / 3 if s.recompute == "full" else 0))
+    return {"flops": proj + attn, "gemm": proj / proj_rate + attn / attn_rate,
             "elementwise": elem / hw.elementwise_rate(),
             "tp": tp_comm_per_layer(arch, s, hw.link(s.tp)) + ring_attention_exposed(arch, hw, s, attn / attn_rate)}
+
+
+# Bytes moved per element to scale and cast a linear's operand to fp8 and back into the layout the
+# backward's GEMM needs, counted from the recipes (not measured; unfused, as eager runs them):
+# tensorwise: the amax (read 2), the cast (read 2, write 1), and a transposed cast for the backward
+# (read 2, write 1), the scale shared; rowwise: each of the two casts scales along its own axis, so
+# each reads for its amax and again to cast (2 + 2 + 1, twice).
+FP8_CAST_BYTES = {"tensorwise": 8, "rowwise": 10}
+
+
+def fp8_cast_bytes(arch: Arch, s: StepSetup) -> float:
+    """Cast traffic of one layer's fp8 linears, forward + backward, per micro-batch on one device:
+    every linear's input, its output gradient and its weight (torchao casts each linear's input on its
+    own, so Llama's separate q, k, v read the same input three times, w1 and w3 twice)."""
+    if s.fp8 == "none":
+        return 0.0
+    h, q, kv, f = arch.dim, arch.q_dim, arch.kv_dim, arch.ffn_dim
+    if arch.family == "llama":  # wq wk wv (in h) wo (in q) w1 w3 (in h) w2 (in f)
+        inputs, grads = 5 * h + q + f, (q + 2 * kv) + h + 2 * f + h
+    else:  # fused qkv (in h), the projection (in h), fc1 (in h), fc2 (in f)
+        inputs, grads = 3 * h + f, (q + 2 * kv) + h + f + h
+    elements = s.tokens * (inputs + grads) + arch.layer_matmul_params()
+    return FP8_CAST_BYTES[s.fp8] * elements / s.tp
 
 
 def ring_attention_exposed(arch: Arch, hw: Hardware, s: StepSetup, core_s: float) -> float:

@@ -31,6 +31,7 @@ class TrainJob:
     zero: int = 0  # 0 DDP, 1/2 ZeRO, 3 ZeRO-3 / FSDP full shard
     dp_replicate: int = 1  # HSDP: FSDP (zero 3) within groups of dp / dp_replicate, replicated across them
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
+    fp8: str = "none"  # none | tensorwise | rowwise: the blocks' linears in fp8 (torchao float8 training)
     ac: str = "none"  # none | selective | full | every:K
     micro_batch: int = 1
     offload: str = "none"  # none | optimizer | params
@@ -120,7 +121,7 @@ class TrainPlan:
         return {"model": self.job.arch.name, "hardware": self.job.hw.name, "devices": self.job.devices,
                 "parallel": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": self.job.zero,
                              "dp_replicate": self.job.dp_replicate, "dp_shard": self.dims.dp // self.job.dp_replicate,
-                             "cp": self.job.cp,
+                             "cp": self.job.cp, "fp8": self.job.fp8,
                              "ac": self.job.ac, "micro_batch": self.job.micro_batch,
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "sequence_parallel": self.job.sequence_parallel,
@@ -183,6 +184,13 @@ def check_job(job: TrainJob) -> Layout:
     if job.precision not in hw.peak_flops:
         raise HardyError(f"{hw.name} has no {job.precision} arithmetic in the catalogue "
                          f"(has {', '.join(sorted(hw.peak_flops))}): choose another --precision")
+    if job.fp8 not in ("none", "tensorwise", "rowwise"):
+        raise HardyError(f"--fp8 must be none, tensorwise or rowwise (got {job.fp8!r})")
+    if job.fp8 != "none" and job.precision != "bf16":
+        raise HardyError(f"--fp8 runs the linears in fp8 inside a bf16 model: it needs --precision bf16, not "
+                         f"{job.precision}")
+    if job.fp8 != "none" and "fp8" not in hw.peak_flops:
+        raise HardyError(f"{hw.name} has no fp8 arithmetic in the catalogue (has {', '.join(sorted(hw.peak_flops))})")
     if job.schedule not in ("1f1b", "interleaved"):
         raise HardyError(f"schedule must be 1f1b or interleaved (got {job.schedule!r})")
     v = job.virtual_stages if job.schedule == "interleaved" else 1
@@ -304,7 +312,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          recompute_fraction=lay.recompute_fraction,
                                          sequence_parallel=job.sequence_parallel, precision=job.precision,
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
-                                         cp=job.cp),
+                                         cp=job.cp, fp8=job.fp8),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=memory, host_memory=host,
