@@ -391,3 +391,30 @@ def test_fp8_runs_the_linears_at_the_fp8_rate_and_pays_their_casts():
 def test_impossible_fp8_layouts_are_one_line_errors(args, message):
     proc = hardy_main("plan", "train", "--model", "llama3.1-8b", "--devices", "8", *args)
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_op_level_selective_checkpointing_as_torchtitan_runs_it():
+    """--ac selective-op on an 8B layer, by hand: every second matmul's output is saved (wq, wv, w1, w2)
+    and wk, wo and w3 run again in backward; kept: the block input, those four outputs, the attention
+    output and its log-sum-exp; between hardy's selective (every matmul kept) and full recompute."""
+    from hardy.plan.timing import StepSetup, layer_gemm_flops, layer_seconds
+
+    arch, hw = load_arch("llama3.1-8b"), get_hardware("h100-sxm")
+    tokens = 4096
+    act = ActivationSetup(seq=tokens, micro_batch=1, tp=1)
+    kept = layer_activation_bytes(arch, act, "selective_op")
+    assert kept == tokens * (2 * 4096 * 2 + (2 * 4096 + 1024 + 14336) * 2 + 4 * 32)
+    assert layer_activation_bytes(arch, act, "full") < kept < layer_activation_bytes(arch, act, "selective")
+    s = dict(seq=tokens, micro_batch=1, micro_batches=1)
+    fwd, core = layer_gemm_flops(arch, StepSetup(**s))
+    redone = 2 * tokens * (4096 * 1024 + 4096 * 4096 + 4096 * 14336)  # wk, wo, w3 forward again
+    op = layer_seconds(arch, hw, StepSetup(**s, recompute="selective_op"))
+    assert op["flops"] == pytest.approx(3 * fwd + redone)
+    assert arch.recompute_flops_per_token(tokens, "selective_op", 1.0) == pytest.approx(32 * redone / tokens)
+    job = dict(arch=arch, hw=hw, devices=8, seq=tokens, global_batch_tokens=8 * tokens, zero=3)
+    plans = {ac: plan_train(TrainJob(**job, ac=ac)) for ac in ("selective", "selective-op", "full")}
+    assert plans["full"].memory["activations"] < plans["selective-op"].memory["activations"] \
+        < plans["selective"].memory["activations"]
+    assert plans["selective"].step_s < plans["selective-op"].step_s < plans["full"].step_s
+    with pytest.raises(HardyError, match="selective-op is torchtitan's policy for Llama models"):
+        plan_train(TrainJob(**{**job, "arch": load_arch("gpt-22b")}, ac="selective-op"))

@@ -113,8 +113,15 @@ class Arch:
         attention output, so it recomputes no FLOPs that count (norms and activations are not counted)."""
         attention = 4 * self.n_heads * self.head_dim * seq_len
         per_layer = {"none": 0.0, "full": 2 * self.layer_matmul_params() + attention,
-                     "selective": attention if self.family == "gpt" else 0.0}[recompute]
+                     "selective": attention if self.family == "gpt" else 0.0,
+                     "selective_op": 2 * self.op_recomputed_matmul_params()}[recompute]
         return fraction * self.n_layers * per_layer
+
+    def op_recomputed_matmul_params(self) -> int:
+        """Weights of the matmuls torchtitan's op-level selective checkpointing recomputes: it saves the
+        output of every second matmul of a block, in call order (Llama: wq, wv, w1, w2 saved; wk, wo,
+        w3 recomputed)."""
+        return self.dim * self.kv_dim + self.q_dim * self.dim + self.dim * self.ffn_dim
 
     def model_config(self) -> ModelConfig:
         if self.family != "llama":

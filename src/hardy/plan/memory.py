@@ -26,7 +26,7 @@ from hardy.plan.arch import Arch
 # bytes per parameter: weights, gradients, optimizer states (AdamW)
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "selective_op")
 
 
 def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
@@ -94,6 +94,12 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
         return replicated / rep + (split + scores) / t
     # residual dropout keeps two masks (CUDA: 1-byte bool; CPU: the activation dtype)
     masks = 2 * arch.dim * (e if a.cpu else 1) if arch.dropout else 0
+    if recompute == "selective_op":
+        # torchtitan's op-level policy: the block input, the outputs of wq, wv, w1 and w2 (every second
+        # matmul) and the attention output with its log-sum-exp; the rest is recomputed in backward
+        replicated = tokens * (2 * arch.dim * e + masks)
+        split = tokens * ((2 * arch.q_dim + arch.kv_dim + arch.ffn_dim) * e + 4 * arch.n_heads)
+        return replicated / rep + split / t
     if recompute == "selective":
         # op level (hardy's policy, PyTorch's selective checkpointing): every matmul output (q, k, v,
         # the attention projection, gate, up, down) and the attention output with its log-sum-exp are

@@ -162,8 +162,11 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     # GPT-style selective recompute (Korthikanti et al.) recomputes the attention core; hardy's Llama
     # op-level selective keeps matmul and attention outputs and recomputes only elementwise operators.
     selective_core = core if arch.family == "gpt" else 0.0
-    extra_proj = {"none": 0.0, "full": fwd - core, "selective": 0.0}[s.recompute] * s.recompute_fraction
-    extra_core = {"none": 0.0, "full": core, "selective": selective_core}[s.recompute] * s.recompute_fraction
+    op_level = 2 * s.tokens * arch.op_recomputed_matmul_params() / s.tp if arch.family == "llama" else 0.0
+    extra_proj = {"none": 0.0, "full": fwd - core, "selective": 0.0,
+                  "selective_op": op_level}[s.recompute] * s.recompute_fraction
+    extra_core = {"none": 0.0, "full": core, "selective": selective_core,
+                  "selective_op": 0.0}[s.recompute] * s.recompute_fraction
     proj, attn = 3 * (fwd - core) + extra_proj, 3 * core + extra_core
     gemm_rate = hw.gemm_rate(dtype, arch.dim)
     attn_rate = hw.attention_rate(dtype, arch.head_dim) if arch.flash_attention else gemm_rate
@@ -173,7 +176,7 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
         elem *= 1 + s.recompute_fraction / 3
     elif s.recompute == "selective" and arch.family == "gpt":  # softmax and dropout over the scores run twice
         elem += s.recompute_fraction / 3 * layer_elementwise_bytes(arch, s, scores_only=True)
-    elif s.recompute == "selective":  # the forward's norms, RoPE and activations run twice
+    elif s.recompute in ("selective", "selective_op"):  # the forward's norms, RoPE and activations run twice
         elem *= 1 + s.recompute_fraction / 3
     elem += fp8_cast_bytes(arch, s) * (1 + (s.recompute_fraction / 3 if s.recompute == "full" else 0))
     return {"flops": proj + attn, "gemm": proj / proj_rate + attn / attn_rate,

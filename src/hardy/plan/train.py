@@ -139,6 +139,8 @@ def parse_ac(ac: str) -> tuple[str, float]:
     """--ac → (recompute mode, fraction of layers recomputed)."""
     if ac in ("none", "selective", "full"):
         return ac, 1.0 if ac != "none" else 0.0
+    if ac == "selective-op":  # torchtitan's op-level policy: every second matmul's output saved
+        return "selective_op", 1.0
     if ac.startswith("every:"):
         try:
             k = int(ac.split(":", 1)[1])
@@ -146,7 +148,7 @@ def parse_ac(ac: str) -> tuple[str, float]:
             k = 0
         if k >= 1:
             return "full", 1.0 / k
-    raise HardyError(f"--ac must be none, selective, full or every:K (got {ac!r})")
+    raise HardyError(f"--ac must be none, selective, selective-op, full or every:K (got {ac!r})")
 
 
 def stage_params(arch: Arch, pp: int) -> tuple[float, float]:
@@ -228,6 +230,9 @@ def check_job(job: TrainJob) -> Layout:
         raise HardyError(f"global batch of {job.global_batch_tokens} tokens = {seqs:g} sequences of {job.seq} does "
                          f"not split into dp = {dp} replicas × micro-batches of {job.micro_batch}")
     recompute, fraction = parse_ac(job.ac)
+    if recompute == "selective_op" and arch.family != "llama":
+        raise HardyError(f"--ac selective-op is torchtitan's policy for Llama models; {arch.name} is GPT-style "
+                         "(its selective is Korthikanti et al.'s)")
     return Layout(dp, shard_dp, dims, int(m), recompute, fraction, v)
 
 
