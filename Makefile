@@ -47,7 +47,7 @@ $(LLAMA_STAMP): $(STAMP)
 
 install: $(STAMP)
 
-# The main job (~3 minutes here): probe → plan → prepare → train on 2 processes through an injected
+# The main job (its wall time per machine: BENCHMARKS.md): probe → plan → prepare → train on 2 processes through an injected
 # crash, NaN and hang → perplexity → int8/int4 compared → generate → runs/demo/report.html
 demo: install
 	$(BIN)/hardy demo --run-dir runs/demo

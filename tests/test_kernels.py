@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -416,3 +417,19 @@ def test_fused_decode_is_the_same_on_any_number_of_threads(ext, int4_and_int8_mo
     if bits == "mixed":
         modules = _decode_steps(model, False)
         assert (outs[2] - modules).norm() / modules.norm() < 1e-3
+
+
+def test_one_openmp_runtime_per_process(ext):
+    """torch brings its OpenMP runtime; the kernels link against that same one (kernels.openmp_link_flags),
+    so a process that loads both has a single runtime and one thread pool, not two competing ones."""
+    script = ("import json, re, torch; from hardy.compress import kernels; assert kernels.load() is not None;"
+              "maps = open('/proc/self/maps').read();"
+              "print(json.dumps(sorted(set(re.findall(r'/(lib(?:g|i)?omp[^/\\s]*\\.so[^/\\s]*)', maps)))))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runtimes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(runtimes) == 1, runtimes
+    flags = kernels.openmp_link_flags()
+    bundled = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    if bundled:
+        assert f"-l:{bundled[0].name}" in flags and runtimes == [bundled[0].name]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,10 +92,15 @@ def test_bundled_collection_is_deterministic_and_documented(tmp_path):
     assert back.meta["source_sha256"] == a.meta["source_sha256"] and manifest["judged_pairs"] == stats["judged_pairs"]
     for name, digest in manifest["sha256"].items():
         assert hashlib.sha256((tmp_path / "c" / name).read_bytes()).hexdigest() == digest
-    proc = hardy_main("data", "rank-collection", "--out", str(tmp_path / "cli"))  # a second, separate build
-    assert proc.returncode == 0 and "3204 passages, 270 queries" in proc.stdout
-    assert json.loads((tmp_path / "cli" / "collection.json").read_text())["sha256"] == manifest["sha256"]
-    again = hardy_main("data", "rank-collection", "--out", str(tmp_path / "cli"))
+    # builds in other processes, with other string-hash seeds (set and dict orders that depend on them
+    # would differ there, not within this process), give the same bytes
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run([sys.executable, "-m", "hardy", "data", "rank-collection", "--out",
+                               str(tmp_path / f"cli{seed}")], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0 and "3204 passages, 270 queries" in proc.stdout, proc.stderr
+        assert json.loads((tmp_path / f"cli{seed}" / "collection.json").read_text())["sha256"] == manifest["sha256"]
+    again = hardy_main("data", "rank-collection", "--out", str(tmp_path / "cli1"))
     assert again.returncode == 2 and "already exists" in again.stderr
 
 

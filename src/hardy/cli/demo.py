@@ -9,7 +9,7 @@ from hardy.extras import require as require_extra
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="the whole story in ~5 minutes: probe, plan, train through injected failures, "
+    p = sub.add_parser("demo", help="the whole story: probe, plan, train through injected failures, "
                                     "evaluate, compress, generate, and an HTML report")
     p.add_argument("--run-dir", type=Path, default=Path("runs/demo"),
                    help="where everything goes (default runs/demo; a previous demo's is replaced)")

@@ -50,6 +50,17 @@ def _isa() -> tuple[str, list[str]]:
     return "avx2", AVX2
 
 
+def openmp_link_flags() -> list[str]:
+    """Link flags that give the kernels torch's own OpenMP runtime: a wheel that bundles libgomp under a
+    name of its own would otherwise leave `-fopenmp` to link the system's copy too, and a process would
+    run two runtimes with two thread pools competing for the cores."""
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    bundled = sorted(lib.glob("libgomp*.so*"))
+    if not bundled:  # a torch linked against the system's runtime: -fopenmp finds that same one
+        return ["-fopenmp"]
+    return [f"-L{lib}", f"-l:{bundled[0].name}", f"-Wl,-rpath,{lib}"]
+
+
 def build_dir() -> Path:
     root = Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy"))
     return root / "kernels"
@@ -77,7 +88,7 @@ def load(verbose: bool = False):
     try:
         # -fopenmp: without it at::parallel_for compiles to a serial loop (measured: one core busy)
         _module = load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
-                                 extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+                                 extra_ldflags=openmp_link_flags(), build_directory=str(directory), verbose=verbose)
     except Exception as e:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
         log.warning("quantized decode kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0][:200])
         _module = None
