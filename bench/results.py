@@ -40,11 +40,13 @@ def slug(name: str) -> str:
 
 def record(result_id: str, *, issue: int, goal: str, target: tuple[str, float] | None, figure: str,
            baseline: str | None, ratio: tuple[float, float, float], runs: int, note: str = "", digits: int = 2,
-           unit: str = "×", alternating: bool = True, directory: Path = RESULTS) -> Path:
+           unit: str = "×", alternating: bool = True, command: str | None = None,
+           directory: Path = RESULTS) -> Path:
     """Write (atomically) the result file of one goal; `ratio` is (median, low, high) of the alternating
     repetitions' ratios and `target` the goal's bound on it, e.g. (">=", 1.25); for a goal on an amount
     (seconds, a percentage) `ratio` holds the amount and `unit` its unit. `runs` 0: a deterministic
-    computation (a planner evaluation), judged on its value alone, with no interval."""
+    computation (a planner evaluation), judged on its value alone, with no interval. `command`: the
+    measured command where it is not this script's (the test suite's wall time: `make test`)."""
     from native import cpu_line
 
     if target is not None and target[0] not in (">=", "<="):
@@ -55,7 +57,7 @@ def record(result_id: str, *, issue: int, goal: str, target: tuple[str, float] |
         "target": None if target is None else {"op": target[0], "value": target[1]},
         "figure": figure, "baseline": baseline,
         "ratio": {"median": med, "low": lo, "high": hi}, "unit": unit, "runs": runs, "alternating": alternating,
-        "cpu": cpu_line(), "date": datetime.date.today().isoformat(), "command": this_command(),
+        "cpu": cpu_line(), "date": datetime.date.today().isoformat(), "command": command or this_command(),
         "source": "bench", "note": note,
     }
     directory.mkdir(parents=True, exist_ok=True)
