@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
 import shlex
 import sys
-import tempfile
 from pathlib import Path
+
+from hardy.fsio import write_bytes_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KEYS = ("id", "issue", "goal", "target", "figure", "baseline", "ratio", "unit", "runs", "alternating", "cpu",
@@ -62,11 +62,7 @@ def record(result_id: str, *, issue: int, goal: str, target: tuple[str, float] |
     }
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{result_id}.json"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{result_id}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_bytes_atomic(path, (json.dumps(result, indent=2, ensure_ascii=False) + "\n").encode())
     print(f"recorded {path.relative_to(directory.parent) if directory.parent in path.parents else path}", flush=True)
     return path
 

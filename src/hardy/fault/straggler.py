@@ -71,8 +71,9 @@ class StragglerMonitor:
         self.wait: list[float] = []
         self.sync_wait = 0.0  # time in the step's closing all-reduce and read-back (the trainer adds it)
         # CUDA: the GPU's own time from the step's start to its closing all-reduce, by events on the
-        # stream; host clocks see only the launches (kernels run asynchronously), never a slow GPU
-        self._events = None
+        # stream; host clocks see only the launches (kernels run asynchronously), never a slow GPU.
+        # No end event: the step never reached its all-reduce.
+        self._start = self._end = None
         self.window_start, self.window_steps = None, 0
         self.flagged: dict[int, int] = {}  # rank -> windows in a row
 
@@ -81,22 +82,22 @@ class StragglerMonitor:
             self.window_start = step
         self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
         self.sync_wait = 0.0
+        self._end = None
         if self.device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-            self._ended = False
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
 
     def compute_done(self) -> None:
         """Called by the trainer where the step's compute ends and its closing all-reduce begins."""
-        if self._events is not None:
-            self._events[1].record()
-            self._ended = True
+        if self._start is not None:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
 
     def after_step(self, step: int) -> None:
         wall = time.perf_counter() - self._wall0
-        if self._events is not None and self._ended:
+        if self._end is not None:
             # both events are behind the step's read-back, so reading them waits for nothing
-            compute = self._events[0].elapsed_time(self._events[1]) / 1000
+            compute = self._start.elapsed_time(self._end) / 1000
         elif self.device.type == "cuda":  # a step that never reached its all-reduce
             compute = wall - self.sync_wait
         else:  # CPU seconds over torch's threads: a step's work is spread over them
