@@ -22,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CATALOGUE = Path(__file__).with_name("catalogue.toml")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8")  # fp8: recorded in entries, not yet planned
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8")  # fp8: the linears of `plan train --fp8`
 
 
 def interpolate_log(table: tuple[tuple[int, float], ...], x: float) -> float:
@@ -117,8 +117,12 @@ class Hardware:
             return 1.0
         return (self.power_limit_w / self.tdp_w) ** (1 / 3)
 
+    def sustained_peak(self, dtype: str) -> float:
+        """The datasheet peak at the clock the part sustains (MFU stays against the datasheet's)."""
+        return self.peak(dtype) * self.clock_fraction
+
     def achievable_flops(self, dtype: str) -> float:
-        return self.peak(dtype) * self.flops_efficiency * self.clock_fraction
+        return self.sustained_peak(dtype) * self.flops_efficiency
 
     def achievable_bandwidth(self) -> float:
         return self.memory_bandwidth * self.bandwidth_efficiency
@@ -150,14 +154,14 @@ class Hardware:
         table = (forward and self.forward_gemm_efficiency_by_width) or self.gemm_efficiency_by_width
         if width is None or not table:
             return self.achievable_flops(dtype)
-        return self.peak(dtype) * interpolate_log(table, width) * self.clock_fraction
+        return self.sustained_peak(dtype) * interpolate_log(table, width)
 
     def attention_rate(self, dtype: str, head_dim: int | None = None) -> float:
         """FLOP/s of causal attention forward + backward at a head size (measured by a probe: a CPU's
         flash kernel runs far below its GEMMs; otherwise the GEMM rate)."""
         if head_dim is None or not self.attention_efficiency_by_head_dim:
             return self.achievable_flops(dtype)
-        return self.peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim) * self.clock_fraction
+        return self.sustained_peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim)
 
     def link(self, group_size: int) -> Link:
         """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
