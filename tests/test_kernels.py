@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hardy.compress import kernels
+from hardy.compress import kernel_build, kernels
 from hardy.compress.qlinear import QuantLinear
 from hardy.formats.quantized import QuantSpec, QuantTensor, rtn
 
@@ -433,3 +433,63 @@ def test_one_openmp_runtime_per_process(ext):
     bundled = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
     if bundled:
         assert f"-l:{bundled[0].name}" in flags and runtimes == [bundled[0].name]
+
+
+def test_the_kernels_in_use_are_the_ones_the_install_built(ext):
+    """make test installs the package, which builds a module per ISA (setup.py): the loader uses the one
+    for this CPU as it is, compiling nothing on first use."""
+    assert ext.__name__ == kernel_build.module_name(kernels._isa())
+    assert ext.built_for_torch() == torch.__version__.split("+")[0]
+    assert ext.sources_digest() == kernel_build.sources_digest()
+
+
+def _fresh_loader(monkeypatch, compile_now, cache):
+    monkeypatch.setenv("HARDY_CACHE", str(cache))  # no build compiled on an earlier first use
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "compile_now", compile_now)
+
+
+def test_an_install_build_for_other_sources_or_another_torch_is_compiled_again(ext, monkeypatch, caplog, tmp_path):
+    isa = kernels._isa()
+    monkeypatch.setattr(kernel_build, "sources_digest", lambda: ext.sources_digest() ^ 1)
+    assert kernels.installed(isa) == (None, "the sources changed since the install built them")
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "9.9.9+cpu")
+    module, why = kernels.installed(isa)
+    assert module is None and why == f"the installed build is for torch {ext.built_for_torch()}, this is torch 9.9.9"
+    compiled = []
+    _fresh_loader(monkeypatch, lambda isa, verbose=False: compiled.append(isa) or "a fresh build", tmp_path)
+    with caplog.at_level("WARNING", logger="hardy.compress.kernels"):
+        assert kernels.load() == "a fresh build" and kernels.load() == "a fresh build"
+    assert compiled == [isa]  # once, for this CPU's ISA, and said once
+    assert [r.getMessage() for r in caplog.records] == [
+        f"quantized decode kernels: {why}; compiling the {isa} build now (once per machine)"]
+
+
+def test_without_a_usable_build_or_a_compiler_the_pytorch_path_is_said_once(monkeypatch, caplog, tmp_path):
+    def no_compiler(isa, verbose=False):
+        raise RuntimeError("Error building extension: c++: not found\nmore detail")
+
+    _fresh_loader(monkeypatch, no_compiler, tmp_path)
+    monkeypatch.setattr(kernels, "installed", lambda isa: (None, "none was built at install"))
+    with caplog.at_level("WARNING", logger="hardy.compress.kernels"):
+        assert kernels.load() is None and kernels.load() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"quantized decode kernels: none was built at install; compiling the {kernels._isa()} build now (once per "
+        "machine)", "quantized decode kernels unavailable (Error building extension: c++: not found); using the "
+        "PyTorch path"]
+
+
+def test_a_build_compiled_on_an_earlier_first_use_loads_without_a_warning(monkeypatch, caplog, tmp_path):
+    isa = kernels._isa()
+    _fresh_loader(monkeypatch, lambda isa, verbose=False: "the cached build", tmp_path)
+    monkeypatch.setattr(kernels, "installed", lambda isa: (None, "none was built at install"))
+    name, directory = kernels.cached_build(isa)
+    directory.mkdir(parents=True)
+    (directory / f"{name}.so").write_bytes(b"")
+    with caplog.at_level("INFO", logger="hardy.compress.kernels"):
+        assert kernels.load() == "the cached build"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"quantized decode kernels: none was built at install; loading the {isa} build compiled on an "
+                 "earlier first use")]

@@ -114,7 +114,7 @@ def test_the_command_lines_lazy_imports_keep_start_up_light():
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 timeout=120).stdout.split())
     heavy = {"hardy.train.trainer", "hardy.serve.api", "hardy.compress.pipeline", "hardy.eval.perplexity",
-             "hardy.infer.generate", "fastapi", "uvicorn", "matplotlib"}
+             "hardy.infer.generate", "fastapi", "hypercorn", "matplotlib"}
     assert "hardy.cli.serve" in loaded and heavy & loaded == set(), sorted(heavy & loaded)
 
 

@@ -86,15 +86,27 @@ def test_oversized_and_negative_bodies_are_refused(served):
     assert served.json("GET", "/health")[0] == 200
 
 
-def test_open_connections_are_capped(served):
-    idle = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(6)]
+def test_requests_in_flight_are_capped(served):
+    """6 requests sit in the body wait (headers sent, 10 of 100 body bytes): with --max-connections 6 a
+    7th gets 503 until they end (408 after --body-timeout, 1 s), then requests are served again."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"prompt\":")
+    held = [socket.create_connection(("127.0.0.1", served.port), timeout=10) for _ in range(6)]
     try:
-        time.sleep(0.2)
-        assert served.request("GET", "/health")[0] == 503  # over --max-connections 6
+        for sock in held:
+            sock.sendall(head)
+        deadline, refused = time.monotonic() + 0.9, None
+        while refused is None and time.monotonic() < deadline:  # until the server has taken all 6 in
+            status, headers, payload = served.request("GET", "/health")
+            if status == 503:
+                refused = headers, json.loads(payload)
+        assert refused is not None, "a 7th request was served with 6 in flight (--max-connections 6)"
+        assert refused[1]["error"]["code"] == "too_many_connections" and refused[0]["Retry-After"] == "1"
+        for sock in held:  # each was in flight: it ends in the body timeout's 408
+            assert status_of(sock.recv(65536)) == 408
     finally:
-        for sock in idle:
+        for sock in held:
             sock.close()
-    time.sleep(0.3)
     assert served.request("GET", "/health")[0] == 200
 
 

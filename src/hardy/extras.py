@@ -9,7 +9,7 @@ from hardy.errors import HardyError
 
 # extra -> the modules it provides (import names, not distribution names)
 EXTRAS = {
-    "serve": ("fastapi", "uvicorn", "h11", "starlette", "prometheus_client"),
+    "serve": ("fastapi", "hypercorn", "starlette", "prometheus_client"),
     "rank": ("bm25s", "Stemmer", "ir_measures"),
     "plots": ("matplotlib",),
     "ft": ("torchft",),

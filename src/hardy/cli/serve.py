@@ -26,15 +26,18 @@ def register(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let running requests finish")
     p.add_argument("--max-connections", type=int, default=256,
-                   help="open connections before new requests get 503 (default 256)")
+                   help="requests in flight at once (an HTTP/1.1 connection carries one at a time) before new "
+                        "ones get 503; idle connections are closed by the header deadline (default 256)")
     p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a connection may take to send a request's headers (default 10)")
+                   help="seconds a connection has to send a request's headers, from when it opens or its last "
+                        "response ends; the deadline is the smaller of this and --keep-alive (default 10)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive after its headers (default 30)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions, instead of the model's own")
     p.add_argument("--keep-alive", type=float, default=5.0,
-                   help="seconds an idle keep-alive connection stays open (default 5)")
+                   help="seconds an idle keep-alive connection stays open; the same timer is the header "
+                        "deadline, so the smaller of this and --header-timeout applies to both (default 5)")
     p.add_argument("--prefill-chunk", default="0", metavar="N|auto",
                    help="chunked prefill: prompt tokens that ride along in each decode step of the running streams. "
                         "0 (default): each prompt in one pass of its own, which stops the streams meanwhile; auto: "
@@ -139,27 +142,27 @@ def serve_http(args, engine, tokenizer) -> str | None:
     except OSError as e:
         engine.close()
         raise HardyError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    app = create_app(engine, tokenizer, args.name or args.model, args.max_tokens, body_timeout=args.body_timeout)
+    app = create_app(engine, tokenizer, args.name or args.model, args.max_tokens, body_timeout=args.body_timeout,
+                     max_in_flight=args.max_connections)
     stopping = threading.Event()
-    server = HttpServer(server_config(app, header_timeout=args.header_timeout, keep_alive=args.keep_alive,
-                                      max_connections=args.max_connections), on_signal=stopping.set)
+    server = HttpServer(app, server_config(sock, header_timeout=args.header_timeout, keep_alive=args.keep_alive))
 
     def drain_then_stop():  # the signal handler itself only sets an event
         while not stopping.wait(0.1):
             if engine.failed:
-                server.should_exit = True
+                server.stop()
                 return
         done = engine.drain(args.drain_timeout)
         print(f"hardy: {'drained' if done else 'drain timeout; dropping'} running requests, stopping",
               file=sys.stderr, flush=True)
-        server.should_exit = True
+        server.stop()
 
     host, port = sock.getsockname()[:2]
     print(f"hardy: serving {args.name or args.model} on http://{host}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context})", flush=True)
     threading.Thread(target=drain_then_stop, name="hardy-drain", daemon=True).start()
     try:
-        server.run(sockets=[sock])
+        server.run(on_signal=stopping.set)
     finally:
         sock.close()
         engine.close()  # under --tp this tells the followers to stop (unless the engine failed)

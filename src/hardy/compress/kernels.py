@@ -1,17 +1,20 @@
-"""The fused decode path for quantized layers: a small C++ extension (csrc/qgemv.cpp), compiled
-once per machine type with the CPU's vector ISA and cached, with the plain PyTorch path as the
-fallback wherever it cannot be built.
+"""The fused decode path for quantized layers: a small C++ extension (csrc/qgemv.cpp) built with the
+package, one module per vector ISA (setup.py; kernel_build.py says how), of which the widest this CPU
+runs is used. Where the install built none this process can use (torch's C++ ABI changed, an editable
+install's sources were edited, the build had no compiler), it is compiled once per machine type on first
+use and cached; where that fails too, quantized layers use the plain PyTorch path, said once.
 
 Why an extension (measured, docs/quantization.md): torch's own `_weight_int8pack_mm` is 5x slower
 than the fp32 GEMV here, a `torch.compile`d dequantize-GEMV 1.5x slower on SmolLM2's layers
 (call overhead), while int8 multiply-adds on int8-quantized activations (llama.cpp's method on
 AVX2) stream the 4-bit weights at their own size.
 
-    python -m hardy.compress.kernels          # build (make test / make demo do it after install)
+    python -m hardy.compress.kernels          # which build is in use (compiling it if none is)
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import sys
@@ -19,46 +22,32 @@ from pathlib import Path
 
 import torch
 
+from hardy.compress import kernel_build
+from hardy.compress.kernel_build import HEADERS, SOURCES
 from hardy.compress.qlinear import QuantLinear
 from hardy.model.moe import MoE
 from hardy.devices import cpu_flags
 
 log = logging.getLogger(__name__)
-CSRC = Path(__file__).with_name("csrc")
-# several translation units so the two cores compile in parallel and only bindings.cpp pays for pybind
-SOURCES = [CSRC / "qgemv.cpp", CSRC / "gguf_tiled.cpp", CSRC / "decode_layer.cpp", CSRC / "moe.cpp",
-           CSRC / "bindings.cpp"]
-HEADERS = [CSRC / "qgemv.h", CSRC / "tiles.h", CSRC / "kv.h", CSRC / "attention.h"]
 _module = None
 _tried = False
 
 
-AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-VNNI = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # 256-bit dpbusd
-
-
-def _isa() -> tuple[str, list[str]]:
+def _isa() -> str:
     """The widest build this CPU runs (HARDY_KERNEL_ISA=generic|avx2 forces a narrower one)."""
     forced = os.environ.get("HARDY_KERNEL_ISA")
     if forced == "generic":  # the portable build (tests, odd CPUs)
-        return "generic", []
+        return "generic"
     flags = cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
-        return "generic", []
+        return "generic"
     if forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        return "avx512vnni", VNNI
-    return "avx2", AVX2
+        return "avx512vnni"
+    return "avx2"
 
 
 def openmp_link_flags() -> list[str]:
-    """Link flags that give the kernels torch's own OpenMP runtime: a wheel that bundles libgomp under a
-    name of its own would otherwise leave `-fopenmp` to link the system's copy too, and a process would
-    run two runtimes with two thread pools competing for the cores."""
-    lib = Path(torch.__file__).resolve().parent / "lib"
-    bundled = sorted(lib.glob("libgomp*.so*"))
-    if not bundled:  # a torch linked against the system's runtime: -fopenmp finds that same one
-        return ["-fopenmp"]
-    return [f"-L{lib}", f"-l:{bundled[0].name}", f"-Wl,-rpath,{lib}"]
+    return kernel_build.openmp_link_flags(Path(torch.__file__).resolve().parent / "lib")
 
 
 def build_dir() -> Path:
@@ -66,29 +55,62 @@ def build_dir() -> Path:
     return root / "kernels"
 
 
+def installed(isa: str):
+    """(the module the install built for `isa`, None) where this process can use it, else (None, why)."""
+    try:
+        module = importlib.import_module(kernel_build.module_name(isa))
+    except ImportError as e:
+        return None, f"none was built at install ({str(e).splitlines()[0][:120]})"
+    running = torch.__version__.split("+")[0]
+    if module.built_for_torch() != running:
+        return None, f"the installed build is for torch {module.built_for_torch()}, this is torch {running}"
+    if module.sources_digest() != kernel_build.sources_digest():
+        return None, "the sources changed since the install built them"
+    return module, None
+
+
+def cached_build(isa: str) -> tuple[str, Path]:
+    """The name and cache directory of the `isa` build compiled on first use."""
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    # the sources' paths and bytes in the name: two checkouts (or two versions) sharing the cache each keep
+    # their own build instead of rebuilding over each other's (a rebuild: ~30 s here)
+    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:10]
+    name = f"hardy_qgemv_{isa}_t{version}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
+    return name, build_dir() / name
+
+
+def compile_now(isa: str, verbose: bool = False):
+    """Compile the `isa` build into the cache (once per machine type, sources and torch version), or
+    load it from there."""
+    # start-up: cpp_extension pulls in setuptools; only a compile on first use needs it
+    from torch.utils.cpp_extension import load as load_extension
+
+    name, directory = cached_build(isa)
+    directory.mkdir(parents=True, exist_ok=True)
+    return load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=kernel_build.compile_flags(isa),
+                          extra_ldflags=openmp_link_flags(), build_directory=str(directory), verbose=verbose)
+
+
 def load(verbose: bool = False):
-    """The compiled extension, or None where it cannot be built (then layers use PyTorch)."""
+    """The extension (the install's build, else one compiled now), or None where neither is possible
+    (then layers use PyTorch). Each fallback is said once, on the first call."""
     global _module, _tried
     if _module is not None or _tried:
         return _module
     _tried = True
     if os.environ.get("HARDY_NO_KERNELS"):
         return None
-    # start-up: cpp_extension pulls in setuptools; only a first use of the kernels needs it
-    from torch.utils.cpp_extension import load as load_extension
-
-    tag, flags = _isa()
-    version = torch.__version__.split("+")[0].replace(".", "_")
-    # the sources' paths and bytes in the name: two checkouts (or two versions) sharing the cache each keep
-    # their own build instead of rebuilding over each other's (a rebuild: ~30 s here)
-    digest = hashlib.sha256(b"".join(str(p).encode() + p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:10]
-    name = f"hardy_qgemv_{tag}_t{version}_py{sys.version_info.major}{sys.version_info.minor}_{digest}"
-    directory = build_dir() / name
-    directory.mkdir(parents=True, exist_ok=True)
+    isa = _isa()
+    _module, why = installed(isa)
+    if _module is not None:
+        return _module
+    name, directory = cached_build(isa)
+    if (directory / f"{name}.so").exists():  # a warning where a compile follows, not on each later start
+        log.info("quantized decode kernels: %s; loading the %s build compiled on an earlier first use", why, isa)
+    else:
+        log.warning("quantized decode kernels: %s; compiling the %s build now (once per machine)", why, isa)
     try:
-        # -fopenmp: without it at::parallel_for compiles to a serial loop (measured: one core busy)
-        _module = load_extension(name=name, sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
-                                 extra_ldflags=openmp_link_flags(), build_directory=str(directory), verbose=verbose)
+        _module = compile_now(isa, verbose)
     except Exception as e:  # no compiler, no ninja, unsupported platform: the PyTorch path still works
         log.warning("quantized decode kernels unavailable (%s); using the PyTorch path", str(e).splitlines()[0][:200])
         _module = None
@@ -183,4 +205,5 @@ if __name__ == "__main__":
         print("hardy: kernels could not be built; quantized layers will use the PyTorch path", file=sys.stderr)
         sys.exit(1)
     isa = "AVX-512 VNNI" if m.has_vnni() else "AVX2" if m.has_avx2() else "portable scalar"
-    print(f"hardy: quantized decode kernels ready ({isa}) in {build_dir()}")
+    where = "built at install" if m.__name__.startswith("hardy.") else f"compiled into {build_dir()}"
+    print(f"hardy: quantized decode kernels ready ({isa}, {where}: {m.__name__})")

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over the engine, on FastAPI (served by uvicorn, serve/transport.py):
+"""An OpenAI-compatible HTTP API over the engine, on FastAPI (served by hypercorn, serve/transport.py):
 POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), POST /v1/rerank
 (serve/rerank.py), GET /v1/models,
 GET /health, GET /metrics (Prometheus), GET /openapi.json.
@@ -74,14 +74,23 @@ class StopScanner:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int, *,
-               max_body: int = MAX_BODY, body_timeout: float = 30.0):
-    """The ASGI application: FastAPI's routes behind the body limits (serve/transport.py)."""
+               max_body: int = MAX_BODY, body_timeout: float = 30.0, max_in_flight: int = 256):
+    """The ASGI application: FastAPI's routes behind the body limits and the cap on requests in flight
+    (serve/transport.py)."""
     app = FastAPI(title="hardy", version="1", summary="OpenAI-compatible completions from a hardy model",
                   docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine)
-    started = int(time.time())
-    api = _Api(engine, tokenizer, model_name, max_tokens_limit, metrics)
     app.state.metrics = metrics
+    add_error_handlers(app)
+    add_generation_routes(app, _Api(engine, tokenizer, model_name, max_tokens_limit, metrics),
+                          Reranker(engine, tokenizer, model_name), bool(getattr(tokenizer, "chat_template", None)))
+    add_status_routes(app, engine, model_name, metrics)
+    app.openapi = lambda: openapi_schema(app, max_tokens_limit)
+    return BodyGuard(app, max_body, body_timeout, metrics.count_response, max_in_flight)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; an unexpected one is a 500 whose detail goes to the log only."""
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -116,22 +125,27 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int
         error = internal_error("the request failed", f"{type(e).__name__}: {e}", f"error-{next(unexpected_ids)}")
         return _error_response(error.status, error.message, error.code)
 
+
+def add_generation_routes(app: FastAPI, api: "_Api", reranker: Reranker, has_chat_template: bool) -> None:
     @app.post("/v1/completions", response_model=Completion, responses={**ERRORS, **STREAMED})
     async def completions(body: CompletionRequest, request: HttpRequest):
         return await api.serve(body, request, chat=False)
 
     # A model without a chat template answers chat requests 400 and leaves the route out of its schema.
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERRORS, **STREAMED},
-              include_in_schema=bool(getattr(tokenizer, "chat_template", None)))
+              include_in_schema=has_chat_template)
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest):
         return await api.serve(body, request, chat=True)
 
-    reranker = Reranker(engine, tokenizer, model_name)
     rerank_ids = iter(range(1, 1 << 62))
 
     @app.post("/v1/rerank", response_model=RerankResponse, responses=ERRORS, response_model_exclude_none=True)
     async def rerank(body: RerankRequest):
         return await reranker.rerank(body, f"rerank-{next(rerank_ids)}")
+
+
+def add_status_routes(app: FastAPI, engine: Engine, model_name: str, metrics: ServerMetrics) -> None:
+    started = int(time.time())
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
@@ -150,23 +164,23 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_tokens_limit: int
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def openapi():
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            for path in schema.get("paths", {}).values():
-                for operation in path.values():  # FastAPI documents 422; hardy answers 400, as OpenAI does
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):  # this server's own limit
-                fields = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
-                for key in ("max_tokens", "max_completion_tokens"):
-                    for option in fields.get(key, {}).get("anyOf", []):
-                        if option.get("type") == "integer":
-                            option["maximum"] = max_tokens_limit
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi
-    return BodyGuard(app, max_body, body_timeout, metrics.count_response)
+def openapi_schema(app: FastAPI, max_tokens_limit: int) -> dict:
+    """FastAPI's schema, built once, with hardy's answers: 400 where FastAPI documents 422 (as OpenAI
+    answers), and this server's own max_tokens limit."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            fields = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+            for key in ("max_tokens", "max_completion_tokens"):
+                for option in fields.get(key, {}).get("anyOf", []):
+                    if option.get("type") == "integer":
+                        option["maximum"] = max_tokens_limit
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _Api:

@@ -1,29 +1,33 @@
-"""What stands between the network and the API: uvicorn with limits a public server needs.
+"""What stands between the network and the API: hypercorn, through its public API, with the limits a
+public server needs.
 
-- A header timeout (uvicorn has none): a connection that is waiting for a request's headers — a
-  client that connected and sent nothing, or sent half its headers — is closed after
-  `header_timeout` s, so slow clients cannot hold connections forever. Idle keep-alive connections
-  close after uvicorn's `timeout_keep_alive`.
+- A header deadline: hypercorn's keep-alive timer runs from when a connection opens, and again from the
+  end of each response, until a request's headers are complete. Set to min(header_timeout, keep_alive),
+  it closes a client that connected and sent nothing or half its headers, and an idle keep-alive
+  connection, alike.
 - A body limit and a body timeout (`BodyGuard`, ASGI middleware): a declared or streamed body over
   `max_body` bytes is 413, a body not complete within `body_timeout` s of its headers is 408.
-- A cap on open connections (uvicorn's `limit_concurrency`: beyond it a request gets 503).
-- SIGTERM/SIGINT are handed to hardy's drain instead of uvicorn's immediate shutdown.
+- A cap on requests in flight (`BodyGuard` too, as hypercorn has no connection limit): beyond
+  `max_in_flight` a request gets 503. An HTTP/1.1 connection carries one request at a time, and an idle
+  one holds no slot: the header deadline closes it.
+- SIGTERM/SIGINT only call hardy's `on_signal`: hardy drains the engine first, then calls
+  `HttpServer.stop`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import sys
 import threading
 from typing import Callable
 
-import h11
-import uvicorn
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
 from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hardy.serve.engine import EngineFailed, QueueFull, ShuttingDown
 
@@ -87,11 +91,14 @@ def error_payload(status: int, message: str, code: str, param: str | None = None
 
 
 class BodyGuard:
-    """ASGI middleware: bounded request bodies, read within a deadline; each response's status is
-    reported to `on_response(path, status)` (for the metrics)."""
+    """ASGI middleware: at most `max_in_flight` requests at once (beyond it 503), bounded request bodies
+    read within a deadline; each response's status is reported to `on_response(path, status)` (for the
+    metrics)."""
 
-    def __init__(self, app, max_body: int, body_timeout: float, on_response: Callable[[str, int], None]):
+    def __init__(self, app, max_body: int, body_timeout: float, on_response: Callable[[str, int], None],
+                 max_in_flight: int = 256):
         self.app, self.max_body, self.body_timeout, self.on_response = app, max_body, body_timeout, on_response
+        self.max_in_flight, self.in_flight = max_in_flight, 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -105,13 +112,22 @@ class BodyGuard:
             await send(message)
 
         try:
-            declared = dict(scope["headers"]).get(b"content-length")
-            if declared is not None and int(declared) > self.max_body:  # h11 has refused non-numeric ones
-                return await self._refuse(send_status, 413, f"request body over {self.max_body} bytes",
-                                          "request_too_large")
-            await self.app(scope, self._bounded(receive), send_status)
+            if self.in_flight >= self.max_in_flight:
+                return await self._refuse(send_status, 503, f"the server's {self.max_in_flight} requests in flight "
+                                          "are taken; retry shortly", "too_many_connections", retry_after=1)
+            self.in_flight += 1  # one event loop: no lock needed
+            try:
+                await self._guarded(scope, receive, send_status)
+            finally:
+                self.in_flight -= 1
         finally:
             self.on_response(scope["path"], status)
+
+    async def _guarded(self, scope, receive, send) -> None:
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_body:  # the HTTP parser has refused non-numeric ones
+            return await self._refuse(send, 413, f"request body over {self.max_body} bytes", "request_too_large")
+        await self.app(scope, self._bounded(receive), send)
 
     def _bounded(self, receive):
         loop = asyncio.get_running_loop()
@@ -137,50 +153,14 @@ class BodyGuard:
         return bounded_receive
 
     @staticmethod
-    async def _refuse(send, status: int, message: str, code: str) -> None:
+    async def _refuse(send, status: int, message: str, code: str, retry_after: int | None = None) -> None:
         body = json.dumps(error_payload(status, message, code)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-
-def protocol_with_header_timeout(header_timeout: float) -> type[H11Protocol]:
-    class HeaderTimeoutProtocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def _watch_headers(self) -> None:
-            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
-            if waiting and self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout, self._header_timed_out)
-            elif not waiting and self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timed_out(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._watch_headers()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._watch_headers()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._watch_headers()
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            super().connection_lost(exc)
-
-    return HeaderTimeoutProtocol
 
 
 def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
@@ -199,28 +179,59 @@ def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
     return sock
 
 
-class HttpServer(uvicorn.Server):
-    """uvicorn, except that a signal only calls `on_signal`: hardy drains the engine first and then
-    sets `should_exit` itself."""
-
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]):
-        super().__init__(config)
-        self._on_signal = on_signal
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, lambda *_: self._on_signal()) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+def server_config(sock: socket.socket, *, header_timeout: float, keep_alive: float) -> Config:
+    """hypercorn's settings: serve on a duplicate of `sock` (hypercorn closes the socket it is given; the
+    caller still closes its own), no access log, warnings and errors to stderr."""
+    config = Config()
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]
+    config.backlog = 128  # listen()'s: hypercorn listens again on the socket with its own
+    config.keep_alive_timeout = min(header_timeout, keep_alive)  # the header deadline (module docstring)
+    config.graceful_timeout = 5
+    config.accesslog = None
+    config.errorlog = "-"
+    config.loglevel = "WARNING"
+    return config
 
 
-def server_config(app, *, header_timeout: float, keep_alive: float, max_connections: int) -> uvicorn.Config:
-    return uvicorn.Config(app, http=protocol_with_header_timeout(header_timeout), lifespan="off",
-                          timeout_keep_alive=keep_alive, limit_concurrency=max_connections,
-                          timeout_graceful_shutdown=5, log_level="warning", access_log=False)
+class HttpServer:
+    """hypercorn serving `app` until `stop()`, which any thread may call, once or more, before or after
+    the server has started."""
+
+    def __init__(self, app, config: Config):
+        self.app, self.config = app, config
+        self._asked = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    def run(self, on_signal: Callable[[], None]) -> None:
+        """Serve until stopped; meanwhile SIGTERM and SIGINT only call `on_signal`."""
+        with signals_call(on_signal):
+            asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()  # before the loop is published: stop() reads both
+        self._loop = asyncio.get_running_loop()
+        if self._asked.is_set():  # stop() came before the loop existed
+            self._stop.set()
+        await serve(self.app, self.config, shutdown_trigger=self._stop.wait)
+
+    def stop(self) -> None:
+        self._asked.set()
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the server has stopped already
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+
+@contextlib.contextmanager
+def signals_call(handler: Callable[[], None]):
+    """While inside, SIGTERM and SIGINT call `handler` (in the main thread; elsewhere signals cannot be
+    handled and nothing changes); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, lambda *_: handler()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
