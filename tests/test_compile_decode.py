@@ -24,6 +24,8 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
     counters.clear()
     compiled = generate(mini_model, prompt, cfg, compile=True)
     assert compiled.tokens == eager.tokens and len(set(eager.tokens)) > 3
+    kept = list(mini_model.kept_kv_caches)  # the static cache, detached from the layers but kept
+    assert len(kept) == mini_model.cfg.n_layers and all(b.attention.kv_cache is None for b in mini_model.layers)
     assert counters["stats"]["unique_graphs"] == 1  # 23 decode steps, one graph
     assert compiled.stats.compile_s > 0 and compiled.stats.decode_s > 0
 
@@ -45,6 +47,8 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once(mini_model):
     assert counters["stats"]["unique_graphs"] == 1  # same shapes again: no recompile
     longer = generate(mini_model, prompt + [7, 7, 7], SamplingConfig(max_new_tokens=40), compile=True)
     assert counters["stats"]["unique_graphs"] == 1  # another length, the same rounded cache size
+    # ... and the same buffers: a CUDA graph replays on the addresses it was captured with
+    assert len(mini_model.kept_kv_caches) == len(kept) and all(a is b for a, b in zip(mini_model.kept_kv_caches, kept))
     assert longer.tokens == generate(mini_model, prompt + [7, 7, 7], SamplingConfig(max_new_tokens=40)).tokens
     diff = (logits["compiled"] - logits["eager"]).abs().max() / logits["eager"].abs().max()
     assert diff < 1e-4, diff

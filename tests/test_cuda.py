@@ -126,22 +126,30 @@ def test_step_time_waits_for_the_gpu():
     t0 = time.perf_counter()
     for _ in range(50):
         a = a @ a / 64
+    timer.mark()
     queued = time.perf_counter() - t0
-    measured = timer.stop()
-    torch.cuda.synchronize()
+    a.sum().item()  # the step's read-back
     truth = time.perf_counter() - t0
+    measured = timer.stop()
     assert measured > 3 * queued and abs(measured - truth) < 0.2 * truth, (queued, measured, truth)
 
 
-def test_the_step_makes_one_synchronizing_call(tmp_path, micro_dataset):
-    """CUDA's sync debug mode flags every operation that waits for the GPU: in steady state the step's
-    one read-back (loss, norm, flags together) and nothing else."""
+def test_the_step_makes_one_synchronizing_call(tmp_path, micro_dataset, monkeypatch):
+    """Every way a step can wait for the GPU, counted: what CUDA's sync debug mode flags (blocking copies,
+    stream and device synchronizations through the caching allocator) and the waits it does not see
+    (event and stream synchronize or query, torch.cuda.synchronize). In steady state: the step's one
+    read-back (loss, norm, flags together) and nothing else."""
     from hardy.train import trainer as trainer_module
 
     real_step = trainer_module.Trainer.train_step
-    counts = []
+    counts, waits = [], []
+    for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Event, "query"),
+                        (torch.cuda.Stream, "synchronize"), (torch.cuda.Stream, "query"), (torch.cuda, "synchronize")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _o=original, _n=name, **k: waits.append(_n) or _o(*a, **k))
 
     def step(self):
+        before = len(waits)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -149,13 +157,10 @@ def test_the_step_makes_one_synchronizing_call(tmp_path, micro_dataset):
                 return real_step(self)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-                counts.append(sum("synchroniz" in str(w.message) for w in caught))
+                counts.append(sum("synchroniz" in str(w.message) for w in caught) + len(waits) - before)
 
-    trainer_module.Trainer.train_step = step
-    try:
-        in_process(tmp_path / "run", micro_dataset, "train.steps=5", "train.grad_accum=2", *GPU)
-    finally:
-        trainer_module.Trainer.train_step = real_step
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step)
+    in_process(tmp_path / "run", micro_dataset, "train.steps=5", "train.grad_accum=2", *GPU)
     assert counts[2:] == [1, 1, 1], counts
 
 
@@ -170,6 +175,9 @@ def test_generate_and_perplexity_on_cuda_equal_the_cpu(smollm2):
     assert generate(gpu.model, prompt, SamplingConfig(max_new_tokens=32)).tokens == cpu_tokens
     compiled = generate(gpu.model, prompt, SamplingConfig(max_new_tokens=32), compile=True)
     assert compiled.tokens == cpu_tokens  # the CUDA-graph decode step
+    addresses = [c.k.data_ptr() for c in gpu.model.kept_kv_caches]
+    again = generate(gpu.model, prompt, SamplingConfig(max_new_tokens=32), compile=True)
+    assert again.tokens == cpu_tokens and [c.k.data_ptr() for c in gpu.model.kept_kv_caches] == addresses
     text = smollm2.tokenizer.encode(open(os.path.join(os.path.dirname(__file__), "..", "src", "hardy", "data",
                                                       "corpora", "wikitext2-test.txt")).read()[:20000])[:2048]
     a = perplexity(smollm2.model, text, ctx=512)

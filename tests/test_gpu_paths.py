@@ -54,6 +54,72 @@ def test_the_step_reads_back_from_the_device_once(tmp_path, micro_dataset, monke
     assert per_step == [[("tolist", "hardy.train.trainer")]] * 3, per_step
 
 
+class _Stream:
+    """A CUDA stream as the step timer meets it: events happen when the work queued before them has run,
+    which a read-back waits for; reading an event that has not happened raises (as CUDA's does)."""
+
+    def __init__(self):
+        self.queued, self.ran, self.syncs = 0.0, 0.0, []  # seconds of GPU work queued / run
+
+    def work(self, seconds: float) -> None:
+        self.queued += seconds
+
+    def read_back(self) -> None:
+        self.ran = self.queued
+
+    def event_class(stream):
+        class Event:
+            def __init__(self, enable_timing: bool = False):
+                assert enable_timing
+                self.at = None
+
+            def record(self):
+                self.at = stream.queued
+
+            def elapsed_time(self, end) -> float:
+                assert self.at is not None and end.at is not None and max(self.at, end.at) <= stream.ran, \
+                    "an event read before it happened: CUDA would raise or the host would have to wait"
+                return 1000 * (end.at - self.at)
+
+            def synchronize(self):
+                stream.syncs.append("Event.synchronize")
+                stream.ran = stream.queued
+
+            def query(self):
+                stream.syncs.append("Event.query")
+                return self.at is not None and self.at <= stream.ran
+
+            def wait(self, *args):
+                stream.syncs.append("Event.wait")
+
+        return Event
+
+
+def test_gpu_step_time_needs_no_synchronization_of_its_own(monkeypatch):
+    """On CUDA a step's time comes from events that the step's one read-back has already waited for:
+    the timer itself never synchronizes. Consecutive steps' windows tile the GPU's work (each step's
+    optimizer tail lands in the next window); after a pause (a save between steps) the next window
+    starts at that step's own start, so the host's time outside the steps is nobody's step time."""
+    from hardy.train.timing import StepTimer
+
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "Event", stream.event_class())
+    timer = StepTimer(torch.device("cuda"))
+    times = []
+    for step, (work, tail) in enumerate([(0.5, 0.125), (0.75, 0.25), (1.0, 0.125), (0.5, 0.25)], start=1):
+        timer.start()
+        stream.work(work)  # forward, backward, the all-reduce
+        timer.mark()
+        stream.read_back()  # loss, norm and flags: the step's one wait for the GPU
+        stream.work(tail)  # the optimizer step, queued after the read-back
+        times.append(timer.stop())
+        if step == 2:
+            timer.pause()
+            stream.work(3.0)  # a checkpoint between steps
+    assert stream.syncs == []
+    assert times == [0.5, 0.125 + 0.75, 1.0, 0.125 + 0.5]
+
+
 def test_fused_loss_in_fp16_applies_the_scale_before_rounding():
     """A head whose gradients lie below fp16's normal range unscaled (weights 1e-3 of the usual,
     4,096 tokens: grad_h ~ 1e-7): with the loss scale arriving as the incoming gradient, the fp16

@@ -187,3 +187,32 @@ def test_decode_rates_are_measured_on_more_bytes_than_the_caches_hold(tmp_path):
     assert dram_bytes(cache=300 << 20) == 600 << 20
     assert dram_bytes(cache=32 << 20) == 256 << 20 and dram_bytes(cache=0) == 256 << 20
     assert dram_bytes(cache=2 << 30) == 1 << 30
+
+
+def test_the_mfu_basis_is_measured_once_per_machine_dtype_and_thread_count(tmp_path, monkeypatch):
+    """A restarted run does not spend seconds measuring the matmul again: the first measurement is kept
+    in HARDY_CACHE/matmul; another dtype or thread count is measured anew; an unreadable record is
+    measured again and replaced."""
+    from hardy.ops import matmul_probe
+
+    monkeypatch.setenv("HARDY_CACHE", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(matmul_probe, "measure_matmul_flops",
+                        lambda dtype, device: measured.append((dtype, torch.get_num_threads())) or 1e9 * len(measured))
+    threads = torch.get_num_threads()
+    first = matmul_probe.cached_matmul_flops(torch.float32, "cpu")
+    again = matmul_probe.cached_matmul_flops(torch.float32, "cpu")
+    assert first == (1e9, None) and again == (1e9, datetime.date.today().isoformat())
+    assert matmul_probe.cached_matmul_flops(torch.bfloat16, "cpu") == (2e9, None)
+    try:
+        torch.set_num_threads(threads + 1)
+        assert matmul_probe.cached_matmul_flops(torch.float32, "cpu") == (3e9, None)
+    finally:
+        torch.set_num_threads(threads)
+    records = list((tmp_path / "matmul").glob("*.json"))
+    assert len(records) == 3 and measured == [(torch.float32, threads), (torch.bfloat16, threads),
+                                              (torch.float32, threads + 1)]
+    for record in records:
+        record.write_text('{"flops": ')  # a write cut short
+    assert matmul_probe.cached_matmul_flops(torch.float32, "cpu") == (4e9, None)
+    assert matmul_probe.cached_matmul_flops(torch.float32, "cpu")[0] == 4e9 and len(measured) == 4

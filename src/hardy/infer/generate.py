@@ -170,7 +170,7 @@ def generate(model, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int] |
     cache_len, pool = total, None
     if step is not None:
         cache_len = min(model.cfg.max_seq_len, -(-total // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
-        model.setup_kv_cache(1, cache_len)
+        model.setup_kv_cache(1, cache_len, keep=True)  # the same buffers each time: a CUDA graph replays on them
     elif use_cache:
         cache = PagedKVCache(model, 1, total, kv_dtype)
         pool = cache.pool

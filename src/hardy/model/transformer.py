@@ -275,6 +275,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
         self._rope_len = 0
+        # the compiled decode's static cache, kept between generations: a CUDA graph replays on the
+        # addresses it was captured with, so a cache allocated anew each time would be captured anew
+        self.kept_kv_caches: list[KVCache] = []
         # empty until reset_rope() sizes them (computing even a 0-row table on the meta device would
         # run arange's Python reference, ~1 s of one-time imports); the local ones stay empty unless
         # sliding layers have a base of their own
@@ -345,13 +348,25 @@ class Transformer(nn.Module):
             return Rotary.shared(cos, sin)
         return Rotary(cos, sin, at(self.rope_cos_local), at(self.rope_sin_local))
 
-    def setup_kv_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+    def setup_kv_cache(self, batch: int, max_seq: int, dtype: torch.dtype | None = None, keep: bool = False) -> None:
         """A static cache [batch, max_seq] per layer (compiled decoding, tests); generation and serving
-        use the paged one (hardy.infer.kv)."""
+        use the paged one (hardy.infer.kv). `keep`: reuse the kept cache where it has this shape, dtype and
+        device, else allocate one and keep it (`clear_kv_cache` detaches it from the layers, no more).
+        Stale entries need no clearing: a position is written before any row attends to it."""
         dtype = dtype or self.norm.weight.dtype
         device = self.rope_cos.device  # where the forward runs
-        for layer, heads in zip(self.layers, self.local_kv_heads()):
-            layer.attention.kv_cache = KVCache(batch, heads, max_seq, layer.attention.head_dim, dtype, device)
+        shapes = [(batch, heads, max_seq, layer.attention.head_dim)
+                  for layer, heads in zip(self.layers, self.local_kv_heads())]
+        kept = self.kept_kv_caches
+        if keep and len(kept) == len(shapes) and all(
+                tuple(c.k.shape) == shape and c.k.dtype == dtype and c.k.device == device for c, shape in zip(kept, shapes)):
+            caches = kept
+        else:
+            caches = [KVCache(*shape[:3], shape[3], dtype, device) for shape in shapes]
+            if keep:
+                self.kept_kv_caches = caches
+        for layer, cache in zip(self.layers, caches):
+            layer.attention.kv_cache = cache
         if self._rope_len < max_seq:
             self.reset_rope(max_seq)
 

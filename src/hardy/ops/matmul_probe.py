@@ -1,15 +1,23 @@
 """A small built-in matmul probe: the peak FLOP/s that MFU is measured against.
 
-Measured at the current thread count, for the dtype the run computes in; `hardy probe`
-(the planner) extends this to a full hardware profile.
+Measured at the current thread count, for the dtype the run computes in, once per machine: the
+result is kept in HARDY_CACHE/matmul, so a restarted or resumed run does not spend seconds measuring
+again before its first step, and runs on one machine share one MFU basis. `hardy probe` (the planner)
+extends this to a full hardware profile.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
-from hardy.devices import cpu_flags
+from hardy.devices import cpu_flags, cpuinfo_fields
+from hardy.fsio import write_json_atomic
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -41,3 +49,36 @@ def has_fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def _machine_key(dtype: torch.dtype, device: torch.device) -> str:
+    """What the measurement depends on: the device model (CPU: model, flags and thread count), the
+    dtype and torch's version."""
+    if device.type == "cuda":
+        what = [torch.cuda.get_device_name(device)]
+    else:
+        fields = cpuinfo_fields()
+        what = [(fields.get("model name") or [""])[0], " ".join(sorted(cpu_flags(fields))), str(torch.get_num_threads())]
+    return hashlib.sha256("|".join([*what, str(dtype), torch.__version__]).encode()).hexdigest()[:16]
+
+
+def cached_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[float, str | None]:
+    """(FLOP/s, the date it was measured, or None where it was measured now): `measure_matmul_flops`
+    once per machine, dtype and thread count, kept in HARDY_CACHE/matmul (delete it to measure again)."""
+    device = torch.device(device)
+    root = Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy")) / "matmul"
+    path = root / f"{_machine_key(dtype, device)}.json"
+    try:
+        kept = json.loads(path.read_text())
+        return float(kept["flops"]), str(kept["measured"])
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: measure (and replace it)
+        pass
+    flops = measure_matmul_flops(dtype, device)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"flops": flops, "measured": datetime.date.today().isoformat(),
+                                 "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads()},
+                          durable=False)
+    except OSError:  # a read-only cache costs a measurement per run, nothing more
+        pass
+    return flops, None

@@ -239,7 +239,9 @@ class LiveTrainer(Trainer):
                             buffer[0, n + 3:]]).double()
         summed = D.all_reduce_sum(extras)  # over the group's processes: every process of every group sees the same
         sq_norm = grad_sq_norm(self.params, device)
-        loss_total, bad_count, stops, *busy, sq = torch.cat([summed, sq_norm.reshape(1)]).tolist()
+        readings = torch.cat([summed, sq_norm.reshape(1)])
+        self.timer.mark()  # the step's one read-back follows
+        loss_total, bad_count, stops, *busy, sq = readings.tolist()
         self.watch_groups(busy)
         mean_loss = loss_total / (len(plan.computed) * self.env.world_size)
         grad_norm = math.sqrt(sq)

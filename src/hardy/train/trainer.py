@@ -30,7 +30,7 @@ from hardy.fault.watchdog import Watchdog
 from hardy.fsio import write_json_atomic
 from hardy.model.config import count_parameters, flops_per_token
 from hardy.model.transformer import meta_transformer
-from hardy.ops.matmul_probe import has_fast_bf16, measure_matmul_flops
+from hardy.ops.matmul_probe import cached_matmul_flops, has_fast_bf16
 from hardy.ops.memory import MemoryMeter, return_freed_memory_to_os
 from hardy.ops.telemetry import TelemetrySampler, Thresholds, device_sensors
 from hardy.parallel import distributed as D
@@ -88,6 +88,45 @@ class Trainer:
         # group logs to a directory of its own inside it
         self.shared_dir = Path(shared_dir or run_dir)
         self.stop = stop or StopRequest()  # SIGTERM/SIGUSR1: checkpoint after the step all ranks agree on
+        self.start_process()
+        self.dims = self.build_dims()
+        self.wrapper = wrapping(self.dims, cfg.parallel.wrap)
+        self.peak_flops, self.peak_source = self.find_peak_flops()
+        preload_parallel()
+        if cfg.train.release_memory and self.env.device.type == "cpu":
+            return_freed_memory_to_os()
+        self.memory = MemoryMeter(self.env.device)
+        if cfg.precision.dtype != "fp32" and not has_fast_bf16(self.env.device):
+            log.warning("precision.dtype = %s on hardware without native bf16/fp16 matmul (no AVX512-BF16/AMX): "
+                        "expect it to run much slower than fp32 (~100x for bf16 matmul on AVX2 CPUs)",
+                        cfg.precision.dtype)
+        pretrained = self.load_data_and_config()
+        dp_rank, dp_size = self.data_parallel_place()
+        self.build_model(pretrained, dp_rank)
+        self.loader = PackedLoader(self.tokens, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.grad_accum,
+                                   dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
+                                   pin_memory=self.env.device.type == "cuda")
+        self.timer = StepTimer(self.env.device)
+        self.resharded = ""
+        self.sample_log = (open(self.run_dir / f"sample_ids_rank{self.env.rank}.jsonl", "a")
+                           if cfg.log.sample_ids else None)
+        self.ckpt = CheckpointManager(self.shared_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
+        self.snapshots = make_snapshots(self)
+        self.step = 0
+        self.skipped = 0
+        self.rollbacks = 0
+        self.telemetry: TelemetrySampler | None = None
+        self._telemetry_file = None
+        self.straggler, self.hooks = self.build_step_hooks()
+        f = cfg.fault
+        self.spikes = SpikeDetector(f.spike_window, f.spike_threshold, f.spike_warmup)
+        self.logger: MetricsLogger | None = None
+        self.tokens_per_step = dp_size * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
+
+    def start_process(self) -> None:
+        """CUDA's settings, the process group (self.env), threads and determinism."""
+        cfg = self.cfg
         cuda_notes = []
         if torch.cuda.is_available() and cfg.parallel.backend != "gloo":  # before the first cuBLAS call
             cuda_notes = configure_cuda(cfg.train.deterministic, cfg.precision.tf32)
@@ -99,27 +138,23 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.dims = self.build_dims()
-        self.wrapper = wrapping(self.dims, cfg.parallel.wrap)
-        # Peak FLOP/s for MFU: the datasheet's when given, else measured before the memory meter starts
-        # so its matrices do not count.
-        if cfg.train.peak_tflops:
-            self.peak_flops, self.peak_source = cfg.train.peak_tflops * 1e12 * self.env.world_size, "train.peak_tflops"
-        else:
-            self.peak_flops = (measure_matmul_flops(DTYPES[cfg.precision.dtype], device) * self.env.world_size
-                               if self.env.is_main else None)
-            self.peak_source = "measured matmul"
-        preload_parallel()
-        if cfg.train.release_memory and self.env.device.type == "cpu":
-            return_freed_memory_to_os()
-        self.memory = MemoryMeter(self.env.device)
-        if cfg.precision.dtype != "fp32" and not has_fast_bf16(self.env.device):
-            log.warning("precision.dtype = %s on hardware without native bf16/fp16 matmul (no AVX512-BF16/AMX): "
-                        "expect it to run much slower than fp32 (~100x for bf16 matmul on AVX2 CPUs)",
-                        cfg.precision.dtype)
 
+    def find_peak_flops(self) -> tuple[float | None, str]:
+        """Peak FLOP/s for MFU: the datasheet's when given, else measured before the memory meter starts
+        so its matrices do not count (by the main rank only: None on the others)."""
+        t, world = self.cfg.train, self.env.world_size
+        if t.peak_tflops:
+            return t.peak_tflops * 1e12 * world, "train.peak_tflops"
+        if not self.env.is_main:
+            return None, "measured matmul"
+        flops, when = cached_matmul_flops(DTYPES[self.cfg.precision.dtype], self.env.device)
+        return flops * world, "measured matmul" + (f" on {when}, kept in HARDY_CACHE/matmul" if when else "")
+
+    def load_data_and_config(self):
+        """The prepared dataset (self.tokens), the model's config and the resolved run config (saved);
+        returns the pretrained weights, or None for a fresh model."""
+        cfg = self.cfg
         data_dir = prepare_dataset(cfg, self.shared_dir, self.env)
-
         index = load_index(data_dir)
         self.tokens = load_split(data_dir, "train")
         self.model_cfg, pretrained = resolve_model_config(cfg, index["vocab_size"])
@@ -129,57 +164,44 @@ class Trainer:
             "model": self.model_cfg.to_dict(), "dataset": str(data_dir), "world_size": self.env.world_size,
             "parallel": self.dims.describe(), "dp": self.dims.dp}}
         self.write_config()
+        return pretrained
 
+    def build_model(self, pretrained, dp_rank: int) -> None:
+        """The parallelized model on its mesh, its optimizer, scheduler and loss scaler."""
+        cfg, device = self.cfg, self.env.device
         # The global RNG draws only dropout masks (weights come from a seeded generator of their own):
         # the ranks of one tensor-parallel group must agree (their activations are replicated), the
         # data-parallel replicas should not.
-        dp_rank, dp_size = self.data_parallel_place()
         torch.manual_seed(cfg.train.seed + dp_rank)
         model = meta_transformer(self.model_cfg)
-        self.mesh = build_mesh(self.dims, self.env.device.type, self.wrapper)
+        self.mesh = build_mesh(self.dims, device.type, self.wrapper)
 
-        def materialize(m, device):
+        def materialize(m, on):
             values = pretrained if pretrained is not None else m.initial_state(cfg.train.seed)
             assign_full_state(m, values)
-            m.reset_rope(cfg.data.seq_len, device=device)
+            m.reset_rope(cfg.data.seq_len, device=on)
 
         self.model = parallelize(
-            model, self.dims, self.mesh, self.env.device, materialize, ac=cfg.train.activation_checkpoint,
+            model, self.dims, self.mesh, device, materialize, ac=cfg.train.activation_checkpoint,
             compile=cfg.train.compile, dtype=cfg.precision.dtype, reduce_dtype=cfg.precision.reduce_dtype,
             reshard_after_forward=cfg.parallel.reshard_after_forward, cpu_offload=cfg.parallel.cpu_offload,
             wrap=cfg.parallel.wrap)
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
         self.scaler = make_grad_scaler(cfg.precision.dtype == "fp16", device, self.env.distributed,
                                        cfg.precision.loss_scale, cfg.precision.loss_scale_growth_interval)
-        self.loader = PackedLoader(self.tokens, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.grad_accum,
-                                   dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed,
-                                   pin_memory=device.type == "cuda")
-        self.timer = StepTimer(device)
-        self.resharded = ""
-        self.sample_log = (open(self.run_dir / f"sample_ids_rank{self.env.rank}.jsonl", "a")
-                           if cfg.log.sample_ids else None)
-        self.ckpt = CheckpointManager(self.shared_dir, cfg.checkpoint.keep, self.env.rank, self.env.device)
-        self.snapshots = make_snapshots(self)
-        self.step = 0
-        self.skipped = 0
-        self.rollbacks = 0
-        f = cfg.fault
+
+    def build_step_hooks(self) -> tuple[StragglerMonitor | None, StepHooks]:
+        """The straggler monitor (several ranks, health.straggler_every) and the step hooks around it."""
+        f, h = self.cfg.fault, self.cfg.health
         injector = FaultInjector(f.inject, self.run_dir, self.job_rank(), f.random_kill_rate, f.random_seed,
                                  self.random_kill_victims())
-        h = cfg.health
-        self.telemetry: TelemetrySampler | None = None
-        self.straggler = None
+        straggler = None
         if self.env.world_size > 1 and h.straggler_every:
-            self.straggler = StragglerMonitor(h.straggler_every, h.straggler_factor, h.straggler_stop_after,
-                                              self.env.device, lambda: self.telemetry and self.telemetry.latest,
-                                              self.report_health)
+            straggler = StragglerMonitor(h.straggler_every, h.straggler_factor, h.straggler_stop_after,
+                                         self.env.device, lambda: self.telemetry and self.telemetry.latest,
+                                         self.report_health)
         # the injector first: a slowed step is slow by the time the straggler monitor reads its clock
-        self.hooks = StepHooks([hook for hook in (injector if injector.active else None, self.straggler) if hook])
-        self._telemetry_file = None
-        self.spikes = SpikeDetector(f.spike_window, f.spike_threshold, f.spike_warmup)
-        self.logger: MetricsLogger | None = None
-        self.tokens_per_step = dp_size * cfg.train.grad_accum * cfg.train.micro_batch * cfg.data.seq_len
-        self.flops_per_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
+        return straggler, StepHooks([hook for hook in (injector if injector.active else None, straggler) if hook])
 
     # --- what live recovery (hardy.train.live) changes --------------------------------------------
 
@@ -381,9 +403,10 @@ class Trainer:
         stop = torch.full((), float(self.stop.requested), dtype=torch.float64, device=device)  # a fill, not a copy
         # any rank non-finite -> all skip; any rank asked to stop -> all stop after this step
         summed = D.all_reduce_sum(torch.stack([loss_sum / accum, nonfinite, stop]))
+        readings = torch.stack([summed[0], summed[1], summed[2], sq_norm, scale_tensor(self.scaler, device).double()])
+        self.timer.mark()
         # The step's one read-back from the device: everything the decisions below need.
-        loss_total, bad_ranks, stops, sq, scale = torch.stack(
-            [summed[0], summed[1], summed[2], sq_norm, scale_tensor(self.scaler, device).double()]).tolist()
+        loss_total, bad_ranks, stops, sq, scale = readings.tolist()
         if self.straggler is not None:
             self.straggler.sync_wait = time.perf_counter() - t_sync
         mean_loss, grad_norm = loss_total / self.env.world_size, math.sqrt(sq)
@@ -512,6 +535,7 @@ class Trainer:
                     m.update(ckpt_stall_s=completion, mfu=None, peak_mem_bytes=self.memory.peak_bytes())
                     logger.step(m)
                     self.rollback(m["loss"])
+                    self.timer.pause()
                     watchdog.beat()
                     continue
                 if not m["skipped"]:
@@ -521,6 +545,7 @@ class Trainer:
                     # one save in flight: the previous one is finished here, with its event, not inside the next
                     completion += self.complete_async_save(self.ckpt.wait, logger)
                     path, stall = self.save_checkpoint()
+                    self.timer.pause()
                     last_save, last_stall = time.perf_counter(), stall
                     if path is not None:
                         last_ckpt = str(path)
@@ -528,6 +553,7 @@ class Trainer:
                     watchdog.beat()
                 if self.snapshots and not m["stop"] and self.step % cfg.checkpoint.memory_interval == 0:
                     snap = take_snapshot(self)
+                    self.timer.pause()
                     logger.event("snapshot", **snap)
                     stall += snap["stall_s"]
                 m["ckpt_stall_s"] = stall + completion + m["ckpt_wait_s"]
