@@ -72,3 +72,28 @@ def test_safetensors_export_loads_in_transformers_with_equal_logits(smollm2, tmp
         ours = smollm2.model(x)
         assert (hf(x).logits - ours).abs().max().item() <= 1e-4
         assert torch.equal(reloaded.model(x), ours)  # fp32 export is lossless
+
+
+def test_the_clis_default_native_path_answers_as_llama_cpp_does_on_the_same_file(smollm2_path):
+    """The float path above (dequantized weights, fp32 activations) answers "Paris". The CLI's default,
+    --gguf-weights native (Q4_1 matrices through hardy's kernels, activations quantized to int8 as
+    llama.cpp quantizes them), answers what llama.cpp itself answers with this file: measured, the same
+    16 greedy tokens, and not Paris. The quantized model's quality is llama.cpp's, token for token here."""
+    from llama_cpp import Llama
+
+    from hardy.compress.qlinear import QuantLinear
+    from hardy.loading.load import load_model
+
+    native = load_model("smollm2-135m", gguf="native")
+    layers = [m for m in native.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.kernel is not None for m in layers)  # the kernels' path, not a float copy
+    tok = native.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    ours = generate(native.model, prompt, SamplingConfig(max_new_tokens=16), stop_ids=tok.stop_ids).tokens
+    llm = Llama(model_path=str(smollm2_path), n_ctx=256, n_threads=2, verbose=False)
+    theirs = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        theirs.append(token)
+        if len(theirs) == len(ours):
+            break
+    assert len(ours) == 16 and ours == theirs, (tok.decode(ours), tok.decode(theirs))
