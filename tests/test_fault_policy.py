@@ -20,6 +20,40 @@ def test_daly_worked_examples():
     assert daly_interval(10, 4) == 4  # delta >= 2M: checkpointing cannot help, T = M
 
 
+def _exact_daly_optimum(delta: float, mtbf: float) -> float:
+    """The interval that minimizes Daly's own model of the expected wall time per unit of work,
+    (exp((T + delta) / M) - 1) / T (exponential failures, restart cost aside), by ternary search."""
+    import math
+
+    cost = lambda t: (math.exp((t + delta) / mtbf) - 1) / t  # noqa: E731
+    lo, hi = 1e-9 * mtbf, 5 * mtbf
+    for _ in range(200):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, b) if cost(a) < cost(b) else (a, hi)
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize("ratio, tolerance", [(1e-4, 2e-6), (1e-3, 2e-6), (1e-2, 2e-5), (0.1, 5e-4)])
+def test_daly_interval_is_the_optimum_of_daly_s_model(ratio, tolerance):
+    """The higher-order formula approximates the argmin of Daly's exact model, closer than its terms:
+    each of them (the sqrt(x)/3 and x/9 corrections) moves it by more than the tolerance somewhere
+    (measured: dropping x/9's sign to minus, 1.3e-2 off at delta/M = 0.1; x/10, 1.0e-3 there)."""
+    mtbf = 1000.0
+    exact = _exact_daly_optimum(ratio * mtbf, mtbf)
+    assert daly_interval(ratio * mtbf, mtbf) == pytest.approx(exact, rel=tolerance)
+
+
+def test_no_spike_during_warmup_and_the_threshold_itself_is_not_one():
+    d = SpikeDetector(window=5, threshold=6.0, warmup=10)
+    for loss in (1.0, 2.0, 3.0, 4.0, 5.0):
+        d.observe(loss)
+    assert not d.is_spike(1000.0)  # 5 of 10 warm-up steps seen, though the window has enough values
+    for loss in (1.0, 2.0, 3.0, 4.0, 5.0):
+        d.observe(loss)
+    # median 3, MAD median(2, 1, 0, 1, 2) = 1: the bound is 3 + 6 * 1 = 9, exclusive
+    assert not d.is_spike(9.0) and d.is_spike(9.000001) and d.is_spike(1000.0)
+
+
 def test_first_order_goodput():
     # T = 60, delta = 1, M = 3600, R = 30: 1 - 1/60 - (30 + 30)/3600
     assert expected_goodput(60, 1, 3600, 30) == pytest.approx(1 - 1 / 60 - 60 / 3600)
