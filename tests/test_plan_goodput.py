@@ -91,3 +91,20 @@ def test_goodput_cli_prints_the_strategies_side_by_side_and_plots(tmp_path):
 def test_bad_fleets_are_refused():
     with pytest.raises(HardyError, match="hardware-share"):
         simulate(Fleet(256, hardware_share=1.5), Recovery())
+
+
+def test_a_seed_reproduces_the_simulation_in_any_process_and_another_seed_draws_other_histories():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json; from hardy.plan.goodput import Fleet, Recovery, simulate;"
+              "print(json.dumps(simulate(Fleet(16384), Recovery(), trials=4, seed=7)))")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    elsewhere = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                                          check=True, timeout=120).stdout)
+    here = simulate(Fleet(16384), Recovery(), trials=4, seed=7)
+    assert json.loads(json.dumps(here)) == elsewhere
+    other = simulate(Fleet(16384), Recovery(), trials=4, seed=8)
+    assert other["strategies"]["restart"]["mean"] != here["strategies"]["restart"]["mean"]
