@@ -11,7 +11,6 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,32 +51,10 @@ from hardy.train.metrics import MetricsLogger
 from hardy.train.precision import load_scaler_state, make_grad_scaler, quiet_unscale, scale_tensor
 from hardy.train.setup import make_optimizer, prepare_dataset, resolve_model_config
 from hardy.train.snapshots import make_snapshots, restore_snapshot, take_snapshot
+from hardy.train.summary import RunSummary
 from hardy.train.timing import StepTimer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSummary:
-    steps: int
-    final_loss: float
-    tokens: int
-    wall_s: float
-    tokens_per_s: float
-    peak_mem_bytes: int
-    skipped_steps: int
-    checkpoint: str | None
-    rollbacks: int = 0
-
-    def lines(self) -> list[str]:
-        if self.tokens == 0:  # resumed from a checkpoint at the last step: nothing was left to train
-            return [f"nothing left to train: step {self.steps} is the last",
-                    f"last checkpoint: {self.checkpoint or 'none'}"]
-        return [f"finished {self.steps} steps in {self.wall_s:.1f} s: final loss {self.final_loss:.4f}, "
-                f"{self.tokens:,} tokens ({self.tokens_per_s:,.0f} tokens/s), peak memory "
-                f"{self.peak_mem_bytes / 2**20:.1f} MiB, {self.skipped_steps} skipped step(s), "
-                f"{self.rollbacks} rollback(s)",
-                f"last checkpoint: {self.checkpoint or 'none'}"]
 
 
 class Trainer:
