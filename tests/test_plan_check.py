@@ -33,8 +33,8 @@ def test_predicted_peak_memory_within_15_percent(tmp_path, micro_dataset, probe_
     launch(run, micro_dataset, nproc, *SIZES[size], *sets, "train.steps=2", f"train.activation_checkpoint={ac}",
            "train.release_memory=true", "checkpoint.at_end=false", threads=2 if nproc == 1 else 1)
     spec = f"probe:{probe_profile}"
-    plan, rows = check_run(run, get_hardware(spec), probe_threads(spec))
-    name, predicted, measured, _ = rows[0]
+    checked = check_run(run, get_hardware(spec), probe_threads(spec))
+    plan, (name, predicted, measured, _) = checked.plan, checked.rows[0]
     assert name == "peak memory per process"
     assert predicted == pytest.approx(measured, rel=0.15), (
         f"{size} {layout} ac={ac}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB; "

@@ -69,10 +69,10 @@ def register_train(group) -> None:
     p.set_defaults(func=run_train)
 
 
-def _hsdp(args) -> tuple[int, int | None, int]:
-    """(zero, dp, dp_replicate) from --zero, --dp, --dp-shard and --dp-replicate."""
+def _hsdp(args) -> dict:
+    """TrainJob's zero, dp and dp_replicate from --zero, --dp, --dp-shard and --dp-replicate."""
     if args.dp_shard is None and args.dp_replicate is None:
-        return (0 if args.zero is None else args.zero), args.dp, 1
+        return {"zero": 0 if args.zero is None else args.zero, "dp": args.dp, "dp_replicate": 1}
     if args.zero not in (None, 3):
         raise HardyError(f"--dp-shard / --dp-replicate (HSDP) shard within each replica group: they need --zero 3, "
                          f"not {args.zero}")
@@ -84,7 +84,7 @@ def _hsdp(args) -> tuple[int, int | None, int]:
         what = "tp x pp x cp" if args.cp > 1 else "tp x pp"
         raise HardyError(f"--dp-shard {shard} x --dp-replicate {replicate} must equal devices / ({what}) = "
                          f"{args.devices} / {model_parallel} = {dp}")
-    return 3, dp, replicate
+    return {"zero": 3, "dp": dp, "dp_replicate": replicate}
 
 
 def _job(args, hw, arch):
@@ -94,7 +94,7 @@ def _job(args, hw, arch):
     return TrainJob(arch=arch, hw=hw, devices=args.devices, seq=args.seq, global_batch_tokens=batch,
                     tokens=args.tokens, precision=args.precision, device_mtbf_hours=args.device_mtbf_hours,
                     restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
-                        tp=args.tp, pp=args.pp, **dict(zip(("zero", "dp", "dp_replicate"), _hsdp(args))),
+                        tp=args.tp, pp=args.pp, **_hsdp(args),
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
@@ -190,16 +190,16 @@ def run_compare(args) -> int:
         names = [args.hardware] + [n for n in names if n != args.hardware]
     hws = [get_hardware(n.strip(), args.catalogue) for n in names if n.strip()]
     if args.workload == "train":
-        headers, rows, records = compare_train(_job(args, hws[0], load_arch(args.model)), hws)
+        result = compare_train(_job(args, hws[0], load_arch(args.model)), hws)
     else:
-        headers, rows, records = compare_serve(args, hws)
+        result = compare_serve(args, hws)
     if args.json:
-        print(json.dumps(records))
+        print(json.dumps(result.records))
     else:
-        print(table(headers, rows))
+        print(table(result.headers, result.rows))
     if args.report:
         write_report(Path(args.report), f"hardy plan compare {args.workload}: {args.model}",
-                     [("comparison", table(headers, rows))], [compare_figure(records, args.workload)])
+                     [("comparison", table(result.headers, result.rows))], [compare_figure(result.records, args.workload)])
     return 0
 
 
@@ -220,8 +220,7 @@ def run_check(args) -> int:
     threads = probe_threads(args.hardware)
     out, rows = [], []
     for run in args.run_dirs:
-        plan, checks = check_run(Path(run), hw, threads)
-        for name, pred, meas, unit in checks:
+        for name, pred, meas, unit in check_run(Path(run), hw, threads).rows:
             err = pred / meas - 1 if meas else float("nan")
             out.append({"run": run, "quantity": name, "predicted": pred, "measured": meas, "unit": unit, "error": err})
             scale, shown = (2 ** 20, "MiB") if unit == "bytes" else (1, unit)
@@ -254,11 +253,16 @@ def run_validate(args) -> int:
     if args.json:
         print(json.dumps({"cases": [dict(c.__dict__, error=c.error, ok=c.ok) for c in cases], "gpu_runs": runs}))
     else:
-        rows = [[c.group, c.name, f"{c.published:g} {c.unit}", f"{c.predicted:.3g} {c.unit}", f"{100 * c.error:+.1f}%",
-                 f"±{100 * c.tolerance:.0f}%", "ok" if c.ok else "FAIL", c.formula] for c in cases]
+        rows = [[c.group, c.name + (" *" if c.fitted_here else ""), f"{c.published:g} {c.unit}",
+                 f"{c.predicted:.3g} {c.unit}", f"{100 * c.error:+.1f}%", f"±{100 * c.tolerance:.0f}%",
+                 "ok" if c.ok else "FAIL", c.formula] for c in cases]
         headers = ["group", "case", "published", "hardy", "error", "goal", "", "formula"]
         render = markdown_table if args.markdown else (lambda h, r: table(h, r, align_right=False))
         print(render(headers, rows))
+        fitted = sorted({name for c in cases for name in c.fitted_here})
+        if fitted:
+            print(f"\n* {', '.join(fitted)} was fitted on this case's own source: consistency, not prediction "
+                  "(the held-out rows predict the same cases without it)")
         print()
         print(gpu_runs_text(runs, render))
     failed = [c for c in cases if not c.ok]

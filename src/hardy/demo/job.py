@@ -210,7 +210,7 @@ class Demo:
                              f"{log_dir}/")
         goodput = account(train_dir)
         machine = hardware_from_profile(self.results["probe"], name="this machine")
-        plan, rows = check_run(train_dir, machine, int(self.results["probe"].get("threads") or 1))
+        rows = check_run(train_dir, machine, int(self.results["probe"].get("threads") or 1)).rows
         self.results["train"] = {"events": watcher.events, "incidents": [vars(i) for i in watcher.incidents],
                                  "goodput": goodput, "check": [list(r) for r in rows],
                                  "telemetry": telemetry(train_dir)}

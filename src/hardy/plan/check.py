@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from hardy.errors import HardyError
 from hardy.fsio import read_json_lines
@@ -54,8 +56,21 @@ def job_for_run(config: dict, hw: Hardware, restart_s: float = 300.0) -> TrainJo
                     device_mtbf_hours=config.get("checkpoint", {}).get("device_mtbf_hours"))
 
 
-def check_run(run_dir: Path, machine: Hardware, probe_threads: int) -> tuple[TrainPlan, list[tuple]]:
-    """(plan, rows of (quantity, predicted, measured, unit)) for one run."""
+class CheckRow(NamedTuple):
+    quantity: str
+    predicted: float
+    measured: float
+    unit: str
+
+
+@dataclass
+class RunCheck:
+    plan: TrainPlan
+    rows: list[CheckRow]
+
+
+def check_run(run_dir: Path, machine: Hardware, probe_threads: int) -> RunCheck:
+    """The planner's prediction for one run, and each quantity predicted next to its measurement."""
     config, events = read_run(run_dir)
     steps = [e for e in events if e.get("event") == "step" and not e.get("skipped")]
     if not steps:
@@ -64,13 +79,13 @@ def check_run(run_dir: Path, machine: Hardware, probe_threads: int) -> tuple[Tra
     plan = plan_train(job_for_run(config, run_hardware(machine, world, threads, probe_threads)))
     timed = steps[1:] or steps  # the first step pays one-time costs (allocations, lazy init)
     measured_step = statistics.median(e["step_time_s"] for e in timed)
-    rows = [("peak memory per process", plan.peak_memory, max(e["peak_mem_bytes"] for e in steps), "bytes"),
-            ("step time", plan.step_s, measured_step, "s"),
-            ("tokens/s", plan.tokens_per_s, statistics.median(e["tokens_per_s"] for e in timed), "tokens/s")]
+    rows = [CheckRow("peak memory per process", plan.peak_memory, max(e["peak_mem_bytes"] for e in steps), "bytes"),
+            CheckRow("step time", plan.step_s, measured_step, "s"),
+            CheckRow("tokens/s", plan.tokens_per_s, statistics.median(e["tokens_per_s"] for e in timed), "tokens/s")]
     saves = [e["stall_s"] for e in events if e.get("event") == "checkpoint"]
     if saves:
-        rows.append(("checkpoint stall", plan.reliability["checkpoint_stall_s"], statistics.median(saves), "s"))
-    return plan, rows
+        rows.append(CheckRow("checkpoint stall", plan.reliability["checkpoint_stall_s"], statistics.median(saves), "s"))
+    return RunCheck(plan, rows)
 
 
 def probe_threads(spec: str) -> int:

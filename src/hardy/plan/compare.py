@@ -2,7 +2,7 @@
 "GPU cluster or CPU servers?" answer as a table and a plot."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hardy.errors import HardyError
 from hardy.plan.arch import load_arch
@@ -11,7 +11,14 @@ from hardy.plan.serve import plan_serve
 from hardy.plan.train import search
 
 
-def compare_train(base, hws) -> tuple[list[str], list[list], list[dict]]:
+@dataclass
+class Comparison:
+    headers: list[str]
+    rows: list[list]  # the table's cells, a row per hardware entry
+    records: list[dict]  # the same, unformatted (--json, the figure)
+
+
+def compare_train(base, hws) -> Comparison:
     """The best configuration of `base` (a TrainJob) on each hardware entry; hardware without fast
     16-bit matmul is planned in fp32."""
     headers = ["hardware", "devices", "precision", "best configuration", "memory/device", "headroom", "step", "MFU",
@@ -35,10 +42,10 @@ def compare_train(base, hws) -> tuple[list[str], list[list], list[dict]]:
                         "memory_per_device": p.peak_memory, "headroom": head, "step_s": p.step_s, "mfu": p.mfu,
                         "goodput": p.reliability["goodput"], "time_s": p.effective_time_s if job.tokens else None,
                         "tokens_per_s": p.tokens_per_s, "cost_usd": p.cost})
-    return headers, rows, records
+    return Comparison(headers, rows, records)
 
 
-def compare_serve(args, hws) -> tuple[list[str], list[list], list[dict]]:
+def compare_serve(args, hws) -> Comparison:
     model = load_arch(args.model).model_config()
     headers = ["hardware", "devices", "quant", "memory/device", "headroom", "max batch", "TTFT", "decode tok/s/seq",
                "tok/s (max batch)", "$/M tokens"]
@@ -59,7 +66,7 @@ def compare_serve(args, hws) -> tuple[list[str], list[list], list[dict]]:
         records.append({"hardware": hw.name, "fits": True, "memory_per_device": s.memory_per_device, "headroom": head,
                         "max_batch": s.max_batch, "ttft_s": s.prefill_s, "decode_tokens_per_s": s.decode_tokens_per_s,
                         "throughput_tokens_per_s": s.max_batch_throughput_tokens_per_s, "cost_per_million": cost})
-    return headers, rows, records
+    return Comparison(headers, rows, records)
 
 
 def compare_figure(records: list[dict], workload: str):

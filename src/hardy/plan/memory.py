@@ -19,6 +19,7 @@ Activations per layer and micro-batch, from what autograd actually keeps:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hardy.errors import HardyError
 from hardy.plan.arch import Arch
@@ -113,36 +114,26 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
     return replicated / rep + split / t
 
 
-def output_activation_bytes(arch: Arch, a: ActivationSetup) -> tuple[float, float]:
-    """(kept for backward, transient during the forward) bytes of the LM head and loss, per
-    micro-batch on the last pipeline stage.
+class OutputActivations(NamedTuple):
+    kept: float  # for the backward
+    transient: float  # during the forward only
+
+
+def output_activation_bytes(arch: Arch, a: ActivationSetup) -> OutputActivations:
+    """Bytes of the LM head and loss, per micro-batch on the last pipeline stage.
 
     hardy's Llama uses a fused, chunked linear cross-entropy: it keeps d(loss)/d(hidden) (h per
-    token) and d(loss)/d(head weight) (fp32, V·h), plus the final RMSNorm (3h + 1/rms per token);
+    token) and d(loss)/d(head weight) (fp32, V·h), plus the final RMSNorm's input and normalized
+    values (2h) and 1/rms per token: its output is not kept, the loss keeping gradients instead;
     its chunk logits (≤ 2^24 fp32 values, twice: logits and log-softmax) exist only while the loss
     is computed. GPT-style (Megatron): final LayerNorm input and fp32 logits, split by TP, kept.
     """
     tokens, e, t = a.seq * a.micro_batch, ACT_BYTES[a.precision], a.tp
     if arch.family == "gpt":
-        return tokens * arch.dim * e / (t if a.sequence_parallel else 1) + 4 * tokens * arch.vocab_size / t, 0.0
-    chunk_rows = min(tokens, max(1, (1 << 24) // arch.vocab_size))
-    kept = tokens * (4 * arch.dim * e + 4) + 4 * arch.vocab_size * arch.dim
-    return kept, 2 * 4 * chunk_rows * arch.vocab_size
-
-
-def deepspeed_zero2_gpu_bytes(params: float, gpus: int, offload_optimizer: bool) -> float:
-    """DeepSpeed's own ZeRO-2 estimate (model states only, its accounting): 2Ψ with the optimizer
-    offloaded to CPU, else 4Ψ + 16Ψ/d (reference.md validation case 2)."""
-    return 2 * params if offload_optimizer else 4 * params + 16 * params / gpus
-
-
-def deepspeed_zero3_gpu_bytes(params: float, largest_layer_params: float, gpus: int, offload_optimizer: bool,
-                              offload_params: bool) -> float:
-    """DeepSpeed's own ZeRO-3 estimate: the largest layer gathered in fp32 (4 bytes/param) plus the
-    device's shard of fp16 parameters (2Ψ/d) unless offloaded, plus 16Ψ/d more without any offload."""
-    largest = 4 * largest_layer_params
-    if offload_optimizer and offload_params:
-        return largest
-    if offload_optimizer:
-        return largest + 2 * params / gpus
-    return largest + 18 * params / gpus
+        return OutputActivations(tokens * arch.dim * e / (t if a.sequence_parallel else 1)
+                                 + 4 * tokens * arch.vocab_size / t, 0.0)
+    # the loss's chunks (hardy.model.loss): as equal as can be, each at most 2^24 logits
+    per_chunk = max(1, (1 << 24) // arch.vocab_size)
+    chunk_rows = -(-tokens // -(-tokens // per_chunk))
+    kept = tokens * (3 * arch.dim * e + 4) + 4 * arch.vocab_size * arch.dim
+    return OutputActivations(kept, 2 * 4 * chunk_rows * arch.vocab_size)

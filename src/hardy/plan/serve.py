@@ -311,27 +311,28 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
     # A decode step at the average context over the generation (the first token comes from prefill).
     avg_ctx = prompt + output_tokens / 2
 
-    def step(b: int) -> tuple[float, float, float, float, float, float, float]:
+    def step(b: int) -> DecodeStep:
         nbytes = weights_read(b) + b * (row_read + kv_tok_dev * avg_ctx)
         flops = b * (2 * (active_matmul + s.head) + 4 * L * s.q_heads * dh * avg_ctx)
-        comm = 2 * L * ring_allreduce(b * dim * act_bytes, devices, link)
         expert_bytes = experts_read(b)  # active experts stream at their own (measured) rate
         mem_s = (nbytes - expert_bytes) / decode_bandwidth + expert_bytes / expert_bandwidth
         comp_s = flops / flops_rate
-        disp = dispatch_s(hw, ops, max(mem_s, comp_s))
-        return max(mem_s, comp_s) + disp + comm, mem_s, comp_s, disp, comm, nbytes, flops
+        return DecodeStep(memory_s=mem_s, compute_s=comp_s, dispatch_s=dispatch_s(hw, ops, max(mem_s, comp_s)),
+                          allreduce_s=2 * L * ring_allreduce(b * dim * act_bytes, devices, link),
+                          bytes=nbytes, flops=flops)
 
     def latency(b: int) -> float:
         # Each request waits through b prefills (its own and those of the b - 1 sequences that share
         # its batch) and output_tokens - 1 decode steps.
-        return b * prefill + (output_tokens - 1) * step(b)[0]
+        return b * prefill + (output_tokens - 1) * step(b).seconds
 
     notes: list[str] = []
     qps_sustained = qps_max = None
     if qps is not None:
-        batch, qps_sustained, qps_max = batch_for_qps(qps, max_batch, latency, notes)
+        chosen = batch_for_qps(qps, max_batch, latency, notes)
+        batch, qps_sustained, qps_max = chosen.batch, chosen.sustained, chosen.qps_max
     batch = batch or 1
-    step_s, mem_s, comp_s, disp_s, comm_s, step_bytes, step_flops = step(batch)
+    decode = step(batch)
     if moe_note is not None:
         notes.append(moe_note(batch))
     if layout is not None:
@@ -356,10 +357,11 @@ def plan_serve(model: ModelConfig, hw: Hardware, devices: int = 1, quant: str = 
         weight_bytes_per_device=w_dev, kv_bytes_per_token=kv_bytes_per_token(model, kv_dtype),
         kv_heads_per_device=s.kv_heads, kv_replicated=s.kv_replicated, kv_bytes_per_sequence_per_device=kv_seq_dev,
         memory_per_device=w_dev + batch * kv_seq_dev, usable_memory_per_device=usable,
-        prefill_s=prefill, prefill_tokens_per_s=prompt / prefill, step_s=step_s, step_memory_s=mem_s,
-        step_compute_s=comp_s, step_dispatch_s=disp_s, step_allreduce_s=comm_s, step_bytes_per_device=step_bytes,
-        step_flops_per_device=step_flops, bound=_bound(mem_s, comp_s, ops * hw.op_overhead_s),
-        decode_tokens_per_s=1 / step_s, decode_tokens_per_s_batch=batch / step_s, request_latency_s=req_latency,
+        prefill_s=prefill, prefill_tokens_per_s=prompt / prefill, step_s=decode.seconds, step_memory_s=decode.memory_s,
+        step_compute_s=decode.compute_s, step_dispatch_s=decode.dispatch_s, step_allreduce_s=decode.allreduce_s,
+        step_bytes_per_device=decode.bytes, step_flops_per_device=decode.flops,
+        bound=_bound(decode.memory_s, decode.compute_s, ops * hw.op_overhead_s), decode_tokens_per_s=1 / decode.seconds,
+        decode_tokens_per_s_batch=batch / decode.seconds, request_latency_s=req_latency,
         throughput_tokens_per_s=throughput, requests_per_s=batch / req_latency, cost_per_hour=price,
         cost_per_million_tokens=per_million(throughput), max_batch_throughput_tokens_per_s=max_throughput,
         max_batch_cost_per_million_tokens=per_million(max_throughput), qps=qps, qps_sustained=qps_sustained,
@@ -394,9 +396,31 @@ def check_request(model: ModelConfig, quant: str, layout, kv_dtype: str | None, 
     return quant, kv_dtype, prompt
 
 
-def batch_for_qps(qps: float, max_batch: int, latency, notes: list[str]) -> tuple[int, bool, float]:
-    """(batch, sustained, the most requests/s the largest batch completes): the smallest batch whose
-    capacity, batch / latency(batch) by Little's law, reaches `qps`, else the largest; a note says which."""
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step of a batch on one device: the roofline's two sides, host dispatch, all-reduces."""
+    memory_s: float
+    compute_s: float
+    dispatch_s: float
+    allreduce_s: float
+    bytes: float  # read per device
+    flops: float  # per device
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s) + self.dispatch_s + self.allreduce_s
+
+
+@dataclass(frozen=True)
+class QpsBatch:
+    batch: int  # the smallest batch that sustains the rate, else the largest
+    sustained: bool
+    qps_max: float  # the most requests/s the largest batch completes
+
+
+def batch_for_qps(qps: float, max_batch: int, latency, notes: list[str]) -> QpsBatch:
+    """The smallest batch whose capacity, batch / latency(batch) by Little's law, reaches `qps`, else
+    the largest; a note says which."""
     def capacity(b: int) -> float:
         return b / latency(b)
 
@@ -404,14 +428,14 @@ def batch_for_qps(qps: float, max_batch: int, latency, notes: list[str]) -> tupl
     if qps > qps_max:
         notes.append(f"cannot sustain {qps:g} requests/s: at most {qps_max:.3g} at the largest batch "
                      f"({max_batch}); about {math.ceil(qps / qps_max)} replicas of this setup would")
-        return max_batch, False, qps_max
+        return QpsBatch(max_batch, False, qps_max)
     lo, hi = 1, max_batch
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if capacity(mid) >= qps else (mid + 1, hi)
     notes.append(f"{qps:g} requests/s × {latency(lo):.2f} s latency = "
                  f"{qps * latency(lo):.1f} requests in flight (Little's law) <= batch {lo}")
-    return lo, True, qps_max
+    return QpsBatch(lo, True, qps_max)
 
 
 def dispatch_s(hw: Hardware, ops: int, kernels_s: float) -> float:

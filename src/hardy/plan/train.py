@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from hardy.errors import HardyError
 from hardy.fault.policy import DEFAULT_DEVICE_MTBF_HOURS, daly_interval, expected_goodput
@@ -151,15 +152,21 @@ def parse_ac(ac: str) -> tuple[str, float]:
     raise HardyError(f"--ac must be none, selective, selective-op, full or every:K (got {ac!r})")
 
 
-def stage_params(arch: Arch, pp: int) -> tuple[float, float]:
+class Stages(NamedTuple):
+    """A quantity on the first and on the last pipeline stage (the same stage when pp = 1)."""
+    first: float
+    last: float
+
+
+def stage_params(arch: Arch, pp: int) -> Stages:
     """Parameters of the first and the last pipeline stage (embeddings first, head last; a tied
     embedding is kept on both ends when there is more than one stage, as Megatron does)."""
     per_stage_layers = -(-arch.n_layers // pp)
     body = per_stage_layers * arch.params_per_layer
     if pp == 1:
-        return arch.params_total, arch.params_total
+        return Stages(arch.params_total, arch.params_total)
     head = arch.params_head + (arch.vocab_size * arch.dim if arch.tie_embeddings else 0)
-    return body + arch.params_embedding, body + head
+    return Stages(body + arch.params_embedding, body + head)
 
 
 @dataclass(frozen=True)
@@ -236,7 +243,7 @@ def check_job(job: TrainJob) -> Layout:
     return Layout(dp, shard_dp, dims, int(m), recompute, fraction, v)
 
 
-def activation_bytes(job: TrainJob, lay: Layout) -> tuple[float, float]:
+def activation_bytes(job: TrainJob, lay: Layout) -> Stages:
     """Activation bytes held at the peak by the first and by the last pipeline stage."""
     arch = job.arch
     act = ActivationSetup(seq=job.seq // job.cp, micro_batch=job.micro_batch, tp=job.tp,
@@ -258,13 +265,19 @@ def activation_bytes(job: TrainJob, lay: Layout) -> tuple[float, float]:
     act_first = layers * per_layer_avg * inflight * interleave + working
     # The loss's transient logits exist at the end of the forward, a recomputed layer's working
     # set during the backward: never both at once.
-    out_kept, out_transient = output_activation_bytes(arch, act)
-    act_last = layers * per_layer_avg + out_kept + max(working, out_transient)
-    return act_first, act_last
+    out = output_activation_bytes(arch, act)
+    act_last = layers * per_layer_avg + out.kept + max(working, out.transient)
+    return Stages(act_first, act_last)
 
 
-def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: float) -> tuple[dict, float, str]:
-    """(memory per device by part, host memory, the busier pipeline stage)."""
+@dataclass(frozen=True)
+class MemoryPlan:
+    per_device: dict  # bytes by part at the busier stage's peak, and the peak
+    host: float  # bytes of host memory per device (offloaded states)
+    stage: str  # the busier pipeline stage: first or last
+
+
+def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: float) -> MemoryPlan:
     arch, hw = job.arch, job.hw
     params_local = max(params_first, params_last)
     act_first, act_last = activation_bytes(job, lay)
@@ -297,7 +310,7 @@ def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: fl
     memory = {"weights": st["weights"], "gradients": st["gradients"], "optimizer": st["optimizer"],
               "activations": acts, "buffers": buffers, "optimizer_temporaries": opt_temp,
               "runtime": overhead, "peak": peak + overhead}
-    return memory, states["first"]["host"], stage
+    return MemoryPlan(memory, states["first"]["host"], stage)
 
 
 def plan_train(job: TrainJob) -> TrainPlan:
@@ -306,11 +319,11 @@ def plan_train(job: TrainJob) -> TrainPlan:
     first, last = stage_params(arch, job.pp)
     params_first, params_last = first / job.tp, last / job.tp
     params_local = max(params_first, params_last)
-    memory, host, stage = memory_plan(job, lay, params_first, params_last)
+    mem = memory_plan(job, lay, params_first, params_last)
     notes: list[str] = []
     if job.pp > 1:
         layers = -(-arch.n_layers // job.pp)
-        notes.append(f"busiest pipeline stage: {stage} ({layers} layers, "
+        notes.append(f"busiest pipeline stage: {mem.stage} ({layers} layers, "
                      f"{min(lay.micro_batches, job.pp)} micro-batches in flight)")
     step = step_time(arch, hw, StepSetup(seq=job.seq, micro_batch=job.micro_batch, micro_batches=lay.micro_batches,
                                          tp=job.tp, pp=job.pp, dp=lay.dp, zero=job.zero, recompute=lay.recompute,
@@ -320,7 +333,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          cp=job.cp, fp8=job.fp8),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
-    plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=memory, host_memory=host,
+    plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
                      params_local=params_local, step=step, flops_per_token=fpt,
                      model_flops_per_step=fpt * job.global_batch_tokens, reliability={}, notes=notes)
     plan.reliability = reliability(plan, shard_params=params_local / (lay.shard_dp if job.zero == 3 else 1))
