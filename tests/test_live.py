@@ -287,6 +287,18 @@ def test_group_straggler_windows_name_the_slow_group_and_act_after_k_windows():
     assert result == ([], None) and watch.flagged == {}
 
 
+def test_between_two_groups_the_slower_is_named_but_never_acted_on():
+    from hardy.fault.live import GroupStragglers
+
+    watch = GroupStragglers(every=2, factor=1.5, act_after=2)
+    pair = [0.1, 0.0, 0.25]  # group 1 evicted earlier: two groups left, one 2.5x the other
+    verdicts = [watch.observe(pair) for _ in range(8)][1::2]
+    assert [v.slow for v in verdicts] == [[(2, 2.5)]] * 4 and watch.flagged == {2: 4}
+    assert all(v.act is None for v in verdicts)
+    trio = [0.1, 0.1, 0.25]  # a third group computing again: a majority sets the pace
+    assert [watch.observe(trio).act for _ in range(2)] == [None, 2]
+
+
 @pytest.mark.timeout(300)
 def test_a_persistently_slow_group_is_evicted_and_the_others_finish(tmp_path, micro_dataset):
     run_dir = tmp_path / "run"

@@ -24,7 +24,7 @@ import statistics
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -207,26 +207,39 @@ def combine_slot_rows(rows: torch.Tensor, computed: tuple[int, ...]) -> torch.Te
     return total.div_(len(computed))
 
 
+class GroupVerdict(NamedTuple):
+    slow: list[tuple[int, float]]  # (group, its median ÷ the others') at a window's end
+    act: int | None  # the group slow for `act_after` windows in a row, to stop or evict
+
+
+# Acting needs a majority that sets the pace: between two groups alone, one twice as slow as the other is
+# as likely the other running fast (a shared host's noise), and evicting would leave a single group.
+MIN_GROUPS_TO_ACT = 3
+
+
 class GroupStragglers:
     """Straggler replica groups, from each step's per-group busy times (every group sees the same table:
     it rides the step's all-reduce). Every `every` steps, a group whose median busy time exceeds
-    `factor` times the others' median is named; `act_after` windows in a row and it is acted on."""
+    `factor` times the others' median is named; `act_after` windows in a row, with at least
+    MIN_GROUPS_TO_ACT groups computing, and it is acted on."""
 
     def __init__(self, every: int, factor: float, act_after: int):
         self.every, self.factor, self.act_after = every, factor, act_after
         self.window: list[list[float]] = []
         self.flagged: dict[int, int] = {}
 
-    def observe(self, times: list[float]) -> tuple[list[tuple[int, float]], int | None]:
-        """`times[g]`: group g's busy seconds in the last step (0: not in it). Returns (stragglers as
-        (group, ratio), the group to act on or None) at a window's end; ([], None) otherwise."""
+    def observe(self, times: list[float]) -> GroupVerdict:
+        """`times[g]`: group g's busy seconds in the last step (0: not in it). Names the stragglers at a
+        window's end; nothing otherwise."""
         self.window.append(times)
         if len(self.window) < self.every:
-            return [], None
+            return GroupVerdict([], None)
         present = [g for g in range(len(times)) if sum(1 for t in self.window if t[g] > 0) * 2 >= self.every]
         medians = [statistics.median([t[g] for t in self.window if t[g] > 0]) for g in present]
         self.window = []
         slow = [(present[i], ratio) for i, ratio in find_stragglers(medians, self.factor)]
         self.flagged = {g: self.flagged.get(g, 0) + 1 for g, _ in slow}
-        act = next((g for g, _ in slow if self.act_after and self.flagged[g] >= self.act_after), None)
-        return slow, act
+        act = None
+        if len(present) >= MIN_GROUPS_TO_ACT:
+            act = next((g for g, _ in slow if self.act_after and self.flagged[g] >= self.act_after), None)
+        return GroupVerdict(slow, act)

@@ -276,9 +276,9 @@ class LiveTrainer(Trainer):
         and act on one slow for health.straggler_stop_after windows in a row."""
         if self.group_stragglers is None or self.step == 0:
             return
-        slow, act = self.group_stragglers.observe(busy)
-        h = self.cfg.health
-        for group, ratio in slow:
+        verdict = self.group_stragglers.observe(busy)
+        h, act = self.cfg.health, verdict.act
+        for group, ratio in verdict.slow:
             self.note("straggler", f"straggler: replica group {group} took {ratio:.1f}x the other groups' time "
                                    f"per step over the last {h.straggler_every} steps", step=self.step,
                       straggler_group=group, ratio=ratio)
