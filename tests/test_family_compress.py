@@ -102,7 +102,7 @@ def int4_families(family_dirs, tmp_path_factory):
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16"])
 @torch.inference_mode()
 def test_fused_stack_computes_each_family_as_its_modules(int4_families, family, kv):
-    from hardy.infer.fused_decode import fused_blocks
+    from hardy.infer.fused_decode import fused_blocks, use_fused_blocks
     from hardy.infer.generate import SamplingConfig, generate
 
     model = load_model(str(int4_families[family])).model
@@ -115,5 +115,5 @@ def test_fused_stack_computes_each_family_as_its_modules(int4_families, family, 
     assert error.median() < 1e-5 and error.max() < 3e-2, error
     prompt = list(range(5, 17))
     fast = generate(model, prompt, SamplingConfig(max_new_tokens=20), kv_dtype=KV_DTYPES[kv]).tokens
-    model._fused_decode = None
+    use_fused_blocks(model, False)
     assert generate(model, prompt, SamplingConfig(max_new_tokens=20), kv_dtype=KV_DTYPES[kv]).tokens == fast

@@ -127,9 +127,9 @@ def _kernel_paths_give(fast, reference: torch.Tensor) -> None:
     want = x @ reference.T
     assert (layer(x) - want).abs().max() < 2e-2 * want.abs().max()
     slab = torch.empty(rows, cols)
-    layer.dequant_range(0, slab)
+    layer.kernel.dequant_range(0, slab)
     assert torch.equal(slab, reference)
-    assert torch.equal(layer.lookup(torch.tensor([rows - 1, 0])), reference[[rows - 1, 0]])
+    assert torch.equal(layer.kernel.lookup(torch.tensor([rows - 1, 0])), reference[[rows - 1, 0]])
 
 
 def test_q5_0_is_the_5_bit_grid_exactly_and_exports_back_to_the_same_bytes(tmp_path):
@@ -265,7 +265,7 @@ def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
     torch.manual_seed(0)
     spec = QuantSpec(4, 32, False) if bits == 4 else QuantSpec(8, 32, True)
     layer = qlinear.QuantLinear(rtn(torch.randn(100, 256), spec))  # 100 rows: a partial tile of 8
-    assert kernels.prepare(nn.Sequential(layer)) == 1 and layer.dequant_range is not None
+    assert kernels.prepare(nn.Sequential(layer)) == 1 and layer.kernel is not None
     monkeypatch.setattr(qlinear, "PREFILL_SLAB_BYTES", 24 * 256 * 4)  # slabs of 24 rows: 5 of them
     x = torch.randn(2, 20, 256)
     exact = torch.nn.functional.linear(x, layer.dequantized_weight())

@@ -38,7 +38,7 @@ def _layer(spec, out=96, cols=576, seed=0):
 @pytest.mark.parametrize("spec", SPECS)
 def test_exact_on_grid_activations_and_close_otherwise(ext, spec):
     layer = _layer(spec)  # 576 columns: at group 128 the last group is 64 wide
-    kernel = kernels.make_kernel(layer, ext)
+    kernel = kernels.LayerKernel(layer, ext)
     w = layer.dequantized_weight()
     grid = torch.randint(-127, 128, (3, 576)).float()
     grid.view(3, -1, 32)[:, :, 0] = 127  # each block's max is 127 codes: quantization is exact
@@ -55,11 +55,27 @@ def test_many_rows_give_the_bits_of_one_row_at_a_time(ext, spec):
     """A batch's rows share each tile's unpacked codes (four at a time, then the rest): every row's
     result is bit for bit the one of that row alone, whatever the number of rows."""
     layer = _layer(spec, out=100)
-    kernel = kernels.make_kernel(layer, ext)
+    kernel = kernels.LayerKernel(layer, ext)
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1))
     alone = torch.cat([kernel(x[t:t + 1]) for t in range(11)])
     for rows in (2, 3, 4, 5, 7, 11):
         assert torch.equal(kernel(x[:rows]), alone[:rows]), rows
+
+
+def test_a_copied_layer_computes_with_its_own_tensors(ext):
+    """A deep copy of a prepared layer (a model copied to be changed) gets a kernel of its own, on the
+    copy's bytes: doubling the copy's scales doubles its output and leaves the original's."""
+    import copy
+
+    layer = _layer(QuantSpec(4, 32, True))
+    layer.kernel = kernels.LayerKernel(layer, ext)
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(1))
+    before = layer(x)
+    twin = copy.deepcopy(layer)
+    twin.scales.mul_(2)
+    assert twin.kernel is not layer.kernel and twin.kernel.layer is twin
+    assert torch.allclose(twin(x), 2 * before, rtol=1e-5, atol=1e-6)
+    assert torch.equal(layer(x), before)
 
 
 def test_tiled_layout_is_a_lossless_relayout(ext):
@@ -71,7 +87,7 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
     layer = _layer(QuantSpec(4, 32), out=100)
     stored = {k: v.clone() for k, v in layer.state_dict().items()}
     weight = layer.dequantized_weight()
-    kernel = kernels.make_kernel(layer, ext)
+    kernel = kernels.LayerKernel(layer, ext)
     assert layer.tiled and layer.qweight.shape == (104, 288) and layer.scales.shape == (13, 18, 8)
     assert not torch.equal(layer.qweight[:100], stored["qweight"])  # really re-laid
     assert all(torch.equal(v, stored[k]) for k, v in layer.state_dict().items()) and len(stored) == 3
@@ -82,7 +98,7 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
     ref = x @ weight.t()
     assert kernel(x).shape == (2, 100) and float((kernel(x) - ref).norm() / ref.norm()) < 1e-2
     other = _layer(QuantSpec(4, 32), out=100, seed=1)
-    kernels.make_kernel(other, ext)
+    kernels.LayerKernel(other, ext)
     other.load_state_dict(stored)
     assert torch.equal(other.qweight, layer.qweight) and torch.equal(other.dequantized_weight(), weight)
 
@@ -91,7 +107,7 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
         other_layer = _layer(spec, out=100)
         other_stored = {k: v.clone() for k, v in other_layer.state_dict().items()}
         other_weight = other_layer.dequantized_weight()
-        other_kernel = kernels.make_kernel(other_layer, ext)
+        other_kernel = kernels.LayerKernel(other_layer, ext)
         groups = spec.groups(576)
         assert other_layer.tiled and other_layer.mins is None and set(other_stored) == {"qweight", "scales"}
         assert other_layer.scales.shape == (13, groups, 8)
@@ -104,7 +120,7 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
         ref = x @ other_weight.t()
         assert float((other_kernel(x) - ref).norm() / ref.norm()) < 1e-2
         reloaded = _layer(spec, out=100, seed=1)
-        kernels.make_kernel(reloaded, ext)
+        kernels.LayerKernel(reloaded, ext)
         reloaded.load_state_dict(other_stored)
         assert torch.equal(reloaded.dequantized_weight(), other_weight)
 
@@ -112,8 +128,8 @@ def test_tiled_layout_is_a_lossless_relayout(ext):
         emb = QuantEmbedding(rtn(torch.randn(60, 64) * 0.05, spec))
         tokens = torch.tensor([[3, 59], [56, 0]])
         before = emb(tokens)
-        kernels.make_kernel(emb.table, ext)
-        assert emb.table.lookup is not None and emb.table.tiled
+        emb.table.kernel = kernels.LayerKernel(emb.table, ext)  # lookups now dequantize in C++
+        assert emb.table.tiled
         assert torch.equal(emb(tokens), before)
 
 
@@ -131,11 +147,11 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
         "import torch, json; from hardy.compress import kernels; from hardy.compress.qlinear import QuantLinear;"
         f"from hardy.formats.quantized import QuantSpec, QuantTensor, rtn; m = kernels.load(); assert {check};"
         "g = torch.Generator().manual_seed(0); x = torch.randn(2, 576, generator=g); out = {};"
-        "[out.__setitem__(f'{b} {s} {y}', kernels.make_kernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
+        "[out.__setitem__(f'{b} {s} {y}', kernels.LayerKernel(QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05,"
         f" QuantSpec(b, s, y))), m)(x).tolist()) for b, s, y in {specs!r}];"
-        f"exec({_K_FORM!r}); out['K'] = kernels.make_kernel(QuantLinear(k_form(g)), m)(x[:, :512]).tolist();"
-        "out['K6'] = kernels.make_kernel(QuantLinear(k6_form(g)), m)(x[:, :512]).tolist();"
-        "out['K5'] = kernels.make_kernel(QuantLinear(k_form(g, bits=5)), m)(x[:, :512]).tolist();"
+        f"exec({_K_FORM!r}); out['K'] = kernels.LayerKernel(QuantLinear(k_form(g)), m)(x[:, :512]).tolist();"
+        "out['K6'] = kernels.LayerKernel(QuantLinear(k6_form(g)), m)(x[:, :512]).tolist();"
+        "out['K5'] = kernels.LayerKernel(QuantLinear(k_form(g, bits=5)), m)(x[:, :512]).tolist();"
         "print(json.dumps(out))")
     env = dict(os.environ, HARDY_KERNEL_ISA=isa, HARDY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -145,14 +161,14 @@ def test_narrower_builds_compute_the_same(ext, tmp_path, isa):
     x = torch.randn(2, 576, generator=g)
     for bits, size, sym in specs:
         layer = QuantLinear(rtn(torch.randn(64, 576, generator=g) * 0.05, QuantSpec(bits, size, sym)))
-        ours = kernels.make_kernel(layer, ext)(x)
+        ours = kernels.LayerKernel(layer, ext)(x)
         assert torch.allclose(torch.tensor(narrow[f"{bits} {size} {sym}"]), ours, rtol=1e-5, atol=1e-5), (bits, size)
     namespace = {"torch": torch, "QuantSpec": QuantSpec, "QuantTensor": QuantTensor}
     exec(_K_FORM, namespace)
     k_tensor = namespace["k_form"](g)
     for key, make in (("K", "k_form"), ("K6", "k6_form"), ("K5", "k_form")):
         k_tensor = k_tensor if key == "K" else namespace[make](g, bits=5) if key == "K5" else namespace[make](g)
-        ours = kernels.make_kernel(QuantLinear(k_tensor), ext)(x[:, :512])
+        ours = kernels.LayerKernel(QuantLinear(k_tensor), ext)(x[:, :512])
         assert torch.allclose(torch.tensor(narrow[key]), ours, rtol=1e-5, atol=1e-5), key
         want = x[:, :512] @ k_tensor.dequantize().T  # and the form computes its own dequantized weights
         assert (ours - want).abs().max() < 2e-2 * want.abs().max(), key
@@ -187,7 +203,7 @@ def test_the_5_bit_k_form_round_trips_through_the_tiled_layout(ext):
     qt = namespace["k_form"](g, rows=13, bits=5)
     layer = QuantLinear(qt)
     stored = {k: v.clone() for k, v in layer.state_dict().items()}
-    kernel = kernels.make_kernel(layer, ext)
+    kernel = kernels.LayerKernel(layer, ext)
     assert layer.tiled and layer.mins.dtype == torch.int32 and layer.mins.shape == (2, 16 + 2, 8)
     assert all(torch.equal(v, stored[k]) for k, v in layer.state_dict().items()) and len(stored) == 3
     weight = qt.dequantize()
@@ -195,7 +211,7 @@ def test_the_5_bit_k_form_round_trips_through_the_tiled_layout(ext):
     rows = torch.tensor([12, 0, 8])
     assert all(torch.equal(v, stored[k][rows]) for k, v in layer.stored(rows).items())
     other = QuantLinear(namespace["k_form"](g, rows=13, bits=5))
-    kernels.make_kernel(other, ext)
+    kernels.LayerKernel(other, ext)
     other.load_state_dict(stored)
     assert torch.equal(other.mins, layer.mins) and torch.equal(other.dequantized_weight(), weight)
     x = torch.randn(2, 512, generator=g)
@@ -279,7 +295,7 @@ def test_fused_decode_block_matches_the_modules(ext, int4_and_int8_models, bits,
     """The one-call C++ block stack (decode_layer.cpp) against the model's own modules running the same
     kernels over the same paged cache: per-row positions (the serving engine's batched decode) and a
     greedy generation; the cache in fp32, bf16 or fp16 (the stack reads its blocks in place)."""
-    from hardy.infer.fused_decode import fused_blocks
+    from hardy.infer.fused_decode import fused_blocks, use_fused_blocks
     from hardy.infer.generate import SamplingConfig, generate
     from hardy.infer.kv import KV_DTYPES
 
@@ -294,12 +310,11 @@ def test_fused_decode_block_matches_the_modules(ext, int4_and_int8_models, bits,
     assert (fused - modules).norm() / modules.norm() < 1e-3
     prompt = prompts[0, :8].tolist()
     fast = generate(model, prompt, SamplingConfig(max_new_tokens=24), kv_dtype=KV_DTYPES[kv]).tokens
-    saved = model._fused_decode
-    model._fused_decode = None  # the module path
+    use_fused_blocks(model, False)  # the module path
     try:
         slow = generate(model, prompt, SamplingConfig(max_new_tokens=24), kv_dtype=KV_DTYPES[kv]).tokens
     finally:
-        model._fused_decode = saved
+        use_fused_blocks(model)
     assert fast == slow
 
 
@@ -358,11 +373,7 @@ def _mixed_model(int4_and_int8_models):
     import copy
 
     source, int8 = int4_and_int8_models["4"], int4_and_int8_models["8"]
-    built = {k: source.__dict__.pop(k) for k in ("_fused_decode", "_fused_caches_memo") if k in source.__dict__}
-    try:  # the source's C++ stack and cache memo are its own (and cannot be copied)
-        model = copy.deepcopy(source)
-    finally:
-        source.__dict__.update(built)
+    model = copy.deepcopy(source)  # without the source's C++ stack: the copy builds its own
     for i in range(0, len(model.layers), 2):
         model.layers[i].attention.wv = copy.deepcopy(int8.layers[i].attention.wv)
         model.layers[i].feed_forward.w2 = copy.deepcopy(int8.layers[i].feed_forward.w2)

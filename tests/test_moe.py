@@ -342,7 +342,7 @@ def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_pat
     (each block's attention and MoE block in PyTorch, the experts' own kernels): batched rows at their
     own positions, and the same greedy tokens. An fp32 cache: the two paths' keys differ in the last
     fp32 bit, which a bf16 cache can round one bf16 step apart, and a route may follow it."""
-    from hardy.infer.fused_decode import fused_blocks
+    from hardy.infer.fused_decode import fused_blocks, use_fused_blocks
     from test_kernels import _batched_decode
 
     source, _ = ggufs[family]
@@ -357,7 +357,7 @@ def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_pat
     if family == "qwen2_moe":  # the shared expert added unscaled: a different sum, still the modules'
         for block in model.layers:
             block.feed_forward.shared_gate = None
-        model._fused_decode = False  # built again for the changed blocks
+        use_fused_blocks(model)  # built again for the changed blocks
         assert fused_blocks(model) is not None
         ungated = _batched_decode(model, prompts, lengths, True, torch.float32)
         assert (ungated - _batched_decode(model, prompts, lengths, False, torch.float32)).norm() / ungated.norm() < 1e-5
@@ -365,7 +365,7 @@ def test_fused_decode_stack_computes_moe_blocks_as_the_modules_do(ggufs, tmp_pat
     prompt = list(range(5, 20))
     with torch.inference_mode():
         fast = generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens
-        model._fused_decode = None  # the modules from here on
+        use_fused_blocks(model, False)  # the modules from here on
         assert generate(model, prompt, SamplingConfig(max_new_tokens=GREEDY), kv_dtype=torch.float32).tokens == fast
 
 

@@ -211,8 +211,9 @@ def test_batched_qlm_scores_equal_a_plain_forward(mini_lm, mini_compressed, kind
     query = "the winter of discontent"
     for batch in (1, 2, 8):  # padding and batch composition must not move a score
         scorer = QLMScorer(loaded.model, loaded.tokenizer, QLMConfig(batch_size=batch))
-        rows, starts, qids = scorer.rows(query, passages)
-        assert scorer.score(query, passages) == pytest.approx(_reference_scores(loaded.model, rows, starts, qids),
+        rows = scorer.score_rows(query, passages)
+        reference = _reference_scores(loaded.model, [r.tokens for r in rows], [r.start for r in rows], rows[0].target)
+        assert scorer.score(query, passages) == pytest.approx(reference,
                                                               rel=1e-3 if kind == "int4" else 1e-5)
     scores = scorer.score(query, passages)
     assert scores.index(max(scores)) == 2  # the passage that contains the query's words explains it best

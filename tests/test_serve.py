@@ -158,7 +158,7 @@ def rerank_reference(mini_run):
     scorer = QLMScorer(loaded.model, loaded.tokenizer)
 
     def scores(query: str, documents: list[str]) -> list[float]:  # the API's relevance_score
-        n = len(scorer.rows(query, documents)[2])
+        n = len(scorer.score_rows(query, documents)[0].target)
         return [math.exp(s / n) for s in scorer.score(query, documents)]
 
     return scores

@@ -25,7 +25,8 @@ import os
 import re
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -258,10 +259,26 @@ def step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+@dataclass
+class PendingSave:
+    """An asynchronous save in flight: written in the background, COMPLETE once every rank's write is done."""
+    step: int
+    partial: Path
+    final: Path
+    written: Future
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep: int, rank: int, device: torch.device):
         self.root = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.device = keep, rank, device
+        self._needed = 0  # bytes of the last save's state, for the disk-full message
+        self._pool: ThreadPoolExecutor | None = None  # checksums of asynchronous saves, deletions
+        self._stager_obj: DefaultStager | None = None
+        self._staging: Future | None = None  # the in-flight asynchronous save's copy of the state
+        self._pending: PendingSave | None = None
+        self._group = None  # the asynchronous saves' own process group
+        self._searches = 0  # resume searches so far: each has its own keys on the rendezvous store
 
     def save(self, step: int, model, optimizer, trainer_state: dict, rank_state: dict, written=None,
              asynchronous: bool = False) -> Path:
@@ -301,7 +318,7 @@ class CheckpointManager:
                 self._staging = getattr(response, "staging_completion", None)
                 future = self._background().submit(
                     lambda: (upload.result(), side_files(), written and written(), hash_own_files(partial, self.rank)))
-                self._pending = (step, partial, final, future)
+                self._pending = PendingSave(step, partial, final, future)
                 return final
             error = None
             try:
@@ -318,14 +335,13 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish background housekeeping (checksums, deletions of pruned checkpoints)."""
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
             self._pool = None
 
     def _background(self):
         """One worker thread for checkpoint housekeeping: checksums of asynchronous saves, deletions."""
-        if getattr(self, "_pool", None) is None:
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hardy-ckpt")
         return self._pool
 
@@ -335,7 +351,7 @@ class CheckpointManager:
         Training may run forward/backward meanwhile; `staged()` must be called before anything
         modifies the parameters or optimizer state (the optimizer step, a rollback).
         """
-        if getattr(self, "_stager_obj", None) is None:
+        if self._stager_obj is None:
             cuda = torch.cuda.is_available()
             self._stager_obj = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                             use_async_staging=True, use_non_blocking_copy=cuda))
@@ -343,17 +359,16 @@ class CheckpointManager:
 
     def staged(self) -> None:
         """Block until the in-flight asynchronous save has its own copy of the state."""
-        staging = getattr(self, "_staging", None)
-        if staging is not None:
-            staging.result()
+        if self._staging is not None:
+            self._staging.result()
             self._staging = None
 
     def _async_group(self):
         # Background writes run collectives of their own: give them a process group that the
         # training loop's collectives never share.
-        if dist.is_initialized() and getattr(self, "_group", None) is None:
+        if dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
-        return getattr(self, "_group", None)
+        return self._group
 
     def _finalize(self, step: int, partial: Path, final: Path, error: BaseException | None = None) -> None:
         """Every rank's write succeeded: checksums, rename, COMPLETE. Otherwise SaveFailed on every rank."""
@@ -401,10 +416,9 @@ class CheckpointManager:
 
     def poll(self) -> Path | None:
         """Complete the in-flight asynchronous save if every rank's write is done (collective)."""
-        pending = getattr(self, "_pending", None)
-        if pending is None:
+        if self._pending is None:
             return None
-        done = 1.0 if pending[3].done() else 0.0
+        done = 1.0 if self._pending.written.done() else 0.0
         if dist.is_initialized():
             t = torch.tensor([done], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -413,15 +427,13 @@ class CheckpointManager:
 
     def wait(self) -> Path | None:
         """Block until the in-flight asynchronous save (if any) is written and COMPLETE."""
-        pending = getattr(self, "_pending", None)
+        pending, self._pending = self._pending, None
         if pending is None:
             return None
-        self._pending = None
-        step, partial, final, future = pending
         error = _attempt(self.staged)
-        error = error or _attempt(future.result)
-        self._finalize(step, partial, final, error)
-        return final
+        error = error or _attempt(pending.written.result)
+        self._finalize(pending.step, pending.partial, pending.final, error)
+        return pending.final
 
     def _prune(self) -> None:
         """Drop checkpoints beyond the newest K: renamed out of sight at once, deleted in the
@@ -440,7 +452,7 @@ class CheckpointManager:
         files; the verdicts meet on the rendezvous store, outside any collective and its timeout (at
         70B, reading the checkpoint takes minutes), so all ranks choose the same one."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self._searches = getattr(self, "_searches", 0) + 1
+        self._searches += 1
         candidates = [explicit] if explicit is not None else [d for _, d in step_dirs(self.root)]
         names = share_from_main(f"resume/{self._searches}/candidates", json.dumps([str(d) for d in candidates]),
                                 self.rank)

@@ -135,14 +135,14 @@ def launch_live(args, cfg, train_args: list[str], run_dir: Path, launch: Launch)
     from hardy.parallel.distributed import DistEnv
     from hardy.train.setup import prepare_dataset
 
-    nodes, endpoint, node_rank = launch.live_nodes()
-    layout = LiveLayout.build(args.nproc, cfg, nodes)
+    nodes = launch.live_nodes()
+    layout = LiveLayout.build(args.nproc, cfg, nodes.count)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def prepare():  # once per node, before its groups start (a no-op where the run dir is shared and ready)
         prepare_dataset(cfg, run_dir, DistEnv(0, 1, 0, torch.device("cpu")))
 
-    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir, prepare, node_rank, endpoint)
+    return run_live(cfg, layout, train_args, run_dir, args.max_restarts, args.log_dir, prepare, nodes.node_rank, nodes.endpoint)
 
 
 def stopped_by_signal(sig, run_dir: Path, started: float) -> int:

@@ -13,6 +13,7 @@ AVX2) stream the 4-bit weights at their own size.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import logging
@@ -143,23 +144,36 @@ def kernel_tensors(layer) -> list[torch.Tensor]:
     return [layer.qweight, layer.scales, _NO_MINS if layer.mins is None else layer.mins]
 
 
-def make_kernel(layer, module):
-    """x [..., in] -> [..., out] for a supported layer (re-laid in the kernel's tiled layout, in place
-    of the stored one). Decode calls this ~200 times per token (SmolLM2), so the
-    common case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
-    group, rows = kernel_group(layer), layer.out_features
-    layer.use_tiled_layout()
+class LayerKernel:
+    """The extension's calls on one supported quantized layer, re-laid in the kernel's tiled layout (in
+    place of the stored one). They read the layer's tensors at each call: a later re-layout or move is seen."""
 
-    def kernel(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, layer, module):
+        self.layer, self.module = layer, module
+        self.group, self.rows = kernel_group(layer), layer.out_features
+        layer.use_tiled_layout()
+
+    def __deepcopy__(self, memo):
+        """A copied layer's kernel reads the copy's tensors (the extension module is shared, not copied)."""
+        new = object.__new__(LayerKernel)
+        new.layer, new.module = copy.deepcopy(self.layer, memo), self.module
+        new.group, new.rows = self.group, self.rows
+        return new
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]. Decode calls this ~200 times per token (SmolLM2), so the common
+        case (contiguous fp32) goes straight to C++ with no Python-side reshapes or casts."""
         if x.dtype == torch.float32 and x.is_contiguous():
-            return module.qgemv(x, *kernel_tensors(layer), group, rows)
-        return module.qgemv(x.float().contiguous(), *kernel_tensors(layer), group, rows).to(x.dtype)
+            return self.module.qgemv(x, *kernel_tensors(self.layer), self.group, self.rows)
+        return self.module.qgemv(x.float().contiguous(), *kernel_tensors(self.layer), self.group, self.rows).to(x.dtype)
 
-    # embedding lookups (a decode step's one row per sequence) dequantize in C++ from the same bytes
-    layer.lookup = lambda ids: module.dequant_rows(*kernel_tensors(layer), group, ids)
-    # prefill: consecutive rows into a float/bf16 slab (QuantLinear.forward multiplies slab by slab)
-    layer.dequant_range = lambda begin, out: module.dequant_range(*kernel_tensors(layer), group, begin, out)
-    return kernel
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows (a decode step's one row per sequence), dequantized in C++ from the same bytes."""
+        return self.module.dequant_rows(*kernel_tensors(self.layer), self.group, ids)
+
+    def dequant_range(self, begin: int, out: torch.Tensor) -> None:
+        """Prefill: consecutive rows from `begin` into a float/bf16 slab (QuantLinear multiplies slab by slab)."""
+        self.module.dequant_range(*kernel_tensors(self.layer), self.group, begin, out)
 
 
 def prepare(model) -> int:
@@ -170,7 +184,7 @@ def prepare(model) -> int:
     count = 0
     for layer in model.modules():
         if isinstance(layer, QuantLinear) and layer.qweight.device.type == "cpu" and supports(layer):
-            layer.kernel = make_kernel(layer, module)
+            layer.kernel = LayerKernel(layer, module)
             count += 1
     for block in model.modules():
         if isinstance(block, MoE):

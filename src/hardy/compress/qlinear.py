@@ -8,11 +8,16 @@ prompts) go through `hardy.compress.kernels`, the fused path chosen by measureme
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hardy.formats.quantized import QuantTensor, tile_codes, tiled_rows, untile_codes
+
+if TYPE_CHECKING:  # the gguf package (and, with it, sentencepiece's OpenMP runtime) only where a file is read
+    from hardy.formats.gguf_quant import PackedQuant
 
 # At most this many rows use the fused decode kernel (batched decode, short prompts): it beats the
 # slab path up to ~64 tokens, from SmolLM2's layers to 8B ones (bench/kernel_tokens.py).
@@ -35,7 +40,7 @@ def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 class QuantLinear(nn.Module):
     """`bias`: the layer has a float bias (Qwen2's q/k/v), filled by load_state_dict like any parameter."""
 
-    def __init__(self, qt: QuantTensor, bias: bool = False):
+    def __init__(self, qt: QuantTensor | PackedQuant, bias: bool = False):
         super().__init__()
         self.spec = qt.spec
         self.out_features, self.in_features = qt.shape
@@ -44,21 +49,21 @@ class QuantLinear(nn.Module):
         if "mins" not in self._buffers:
             self.mins = None
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
-        self.kernel = None  # set by hardy.compress.kernels.prepare(), with `lookup` (rows -> float rows)
-        self.lookup = None
-        self.dequant_range = None  # (first row, out slab) -> None: the C++ prefill dequantization
+        # the extension's calls on this layer's bytes (hardy.compress.kernels.LayerKernel), set by prepare()
+        self.kernel = None
         self.prefill_dtype = torch.float32  # see set_prefill_dtype
         # codes re-laid for the kernel (prepare, or a GGUF loader that writes that layout
         # directly); state_dict() stays in the stored layout
-        self.tiled = bool(getattr(qt, "tiled", False))
+        packed = not isinstance(qt, QuantTensor)  # a PackedQuant, as a GGUF file is read
+        self.tiled = packed and qt.tiled
         # a tensor-parallel rank's part, read as such by the loader (hardy.formats.gguf_quant.TPSlice):
         # apply_tp then only wires it up instead of slicing a whole matrix
-        self.tp_slice = getattr(qt, "tp_slice", None)
+        self.tp_slice = qt.tp_slice if packed else None
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         if self.qweight.device.type != "cpu":  # the fused kernels read host memory: off the CPU, PyTorch's path
-            self.kernel = self.lookup = self.dequant_range = None
+            self.kernel = None
         return out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -105,7 +110,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.numel() <= FUSED_MAX_TOKENS * self.in_features:
             y = self.kernel(x)
-        elif self.dequant_range is not None:
+        elif self.kernel is not None:
             y = self._slab_forward(x)
         else:
             return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -123,7 +128,7 @@ class QuantLinear(nn.Module):
         slab = torch.empty(min(rows, self.out_features), self.in_features, dtype=dtype)
         for r0 in range(0, self.out_features, rows):
             w = slab[:min(rows, self.out_features - r0)]
-            self.dequant_range(r0, w)
+            self.kernel.dequant_range(r0, w)
             out[..., r0:r0 + w.shape[0]] = F.linear(xd, w)
         return out
 
@@ -148,8 +153,8 @@ class QuantEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = self.table
         rows = tokens.reshape(-1)
-        if t.lookup is not None:
-            return t.lookup(rows.long().contiguous()).reshape(*tokens.shape, t.in_features)
+        if t.kernel is not None:
+            return t.kernel.lookup(rows.long().contiguous()).reshape(*tokens.shape, t.in_features)
         q = QuantTensor.from_packed(t.stored(rows), t.spec, (rows.numel(), t.in_features))
         return q.dequantize().reshape(*tokens.shape, t.in_features)
 

@@ -18,7 +18,6 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-from datasketch import MinHash, MinHashLSH
 
 
 def _norm(doc: str) -> str:
@@ -115,6 +114,11 @@ class NearDuplicateIndex:
 
     def __init__(self, threshold: float = 0.8, ngram: int = 5, num_perm: int = 128, seed: int = 0,
                  scratch: str | Path | None = None):
+        # start-up time: datasketch loads scipy (~0.5 s), which every training process (it imports the data
+        # pipeline for its readers) would otherwise pay at each start and restart
+        from datasketch import MinHash, MinHashLSH
+
+        self._minhash = MinHash
         self.threshold, self.ngram, self.num_perm, self.seed = threshold, ngram, num_perm, seed
         self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, hashfunc=_band_hash)
         self.lsh.hashtables = [BandBuckets() for _ in range(self.lsh.b)]
@@ -129,7 +133,7 @@ class NearDuplicateIndex:
         return np.frombuffer(os.pread(self._fd, self._row, j * self._row), dtype=np.uint32)
 
     def is_duplicate_or_add(self, doc: str) -> bool:
-        m = MinHash(num_perm=self.num_perm, seed=self.seed, hashfunc=zlib.crc32)  # 32-bit, ~7x sha1's speed
+        m = self._minhash(num_perm=self.num_perm, seed=self.seed, hashfunc=zlib.crc32)  # 32-bit, ~7x sha1's speed
         m.update_batch(shingles(doc, self.ngram))
         for j in self.lsh.query(m):
             if np.count_nonzero(self._signature(j) == m.hashvalues) >= self.threshold * self.num_perm:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +107,14 @@ def plan_chunks(n_tokens: int, ctx: int, protocol: str) -> list[Chunk]:
     return chunks
 
 
-def summarize(nll: torch.Tensor) -> tuple[float, float, float]:
-    """(ppl, standard error, mean nll) exactly as llama-perplexity computes them."""
+class Perplexity(NamedTuple):
+    ppl: float
+    se: float  # standard error of the perplexity
+    nll_mean: float
+
+
+def summarize(nll: torch.Tensor) -> Perplexity:
+    """Perplexity, its standard error and the mean nll exactly as llama-perplexity computes them."""
     nll = nll.double()
     n = nll.numel()
     mean = nll.mean().item()
@@ -115,7 +122,7 @@ def summarize(nll: torch.Tensor) -> tuple[float, float, float]:
     ppl = math.exp(mean)
     var = mean_sq - mean * mean
     se = ppl * math.sqrt(var / (n - 1)) if var > 0 and n > 1 else 0.0
-    return ppl, se, mean
+    return Perplexity(ppl, se, mean)
 
 
 def chunk_batches(chunks: list[Chunk], tokens: list[int], batch_size: int, protocol: str,
@@ -164,7 +171,7 @@ def perplexity(model, tokens: list[int], ctx: int = 512, protocol: str = "llama.
     if bar is not None:
         bar.close()
     all_nll = torch.cat(nlls)
-    ppl, se, mean = summarize(all_nll)
+    summary = summarize(all_nll)
     per_chunk = tuple(part.double().mean().item() for part in all_nll.split([c.n_scored for c in chunks]))
-    return PerplexityResult(ppl=ppl, se=se, nll_mean=mean, n_scored=all_nll.numel(), n_chunks=len(chunks),
+    return PerplexityResult(ppl=summary.ppl, se=summary.se, nll_mean=summary.nll_mean, n_scored=all_nll.numel(), n_chunks=len(chunks),
                             n_tokens=len(tokens), protocol=protocol, ctx=ctx, chunk_nll=per_chunk)

@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import bm25s
 import ir_measures
@@ -149,11 +149,17 @@ class SystemResult:
         return asdict(self)
 
 
-def _latency_stats(seconds: list[float]) -> tuple[float, float, float]:
+class Latency(NamedTuple):
+    median_ms: float
+    p95_ms: float
+    queries_per_s: float  # one query at a time
+
+
+def _latency_stats(seconds: list[float]) -> Latency:
     ordered = sorted(seconds)
     p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
     mean = statistics.fmean(ordered)
-    return statistics.median(ordered) * 1e3, p95 * 1e3, (1 / mean if mean > 0 else math.inf)
+    return Latency(statistics.median(ordered) * 1e3, p95 * 1e3, 1 / mean if mean > 0 else math.inf)
 
 
 def system_result(name: str, model: str | None, qrels, runs: dict[str, QueryRun], k: int, alpha: float,
@@ -163,7 +169,8 @@ def system_result(name: str, model: str | None, qrels, runs: dict[str, QueryRun]
     lat = _latency_stats(list(seconds.values()))
     ndcg = values["ndcg@10"]
     res = SystemResult(name, model, statistics.fmean(ndcg.values()), statistics.fmean(values["mrr@10"].values()),
-                       statistics.fmean(values["recall@100"].values()), *lat, size_bytes=size, per_query_ndcg=ndcg,
+                       statistics.fmean(values["recall@100"].values()), latency_median_ms=lat.median_ms,
+                       latency_p95_ms=lat.p95_ms, queries_per_s=lat.queries_per_s, size_bytes=size, per_query_ndcg=ndcg,
                        per_query_ms={qid: 1e3 * s for qid, s in seconds.items()},
                        per_query_lm={qid: {pid: v for (pid, _), v in zip(r.first[:k], r.lm)}
                                      for qid, r in runs.items() if r.lm is not None})

@@ -13,6 +13,8 @@ the serving engine use, and tests/test_kernels.py checks the two paths agree.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hardy.compress.kernels import kernel_group, kernel_tensors, load
@@ -92,12 +94,25 @@ def _block_parts(block) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     return parts, extras
 
 
-def fused_blocks(model) -> tuple | None:
+# Each model's DecodeStack, or None where the modules decode: built on a model's first decode and kept
+# here rather than on the model (the model knows nothing of the extension; a copy of it builds its own).
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def use_fused_blocks(model, enabled: bool = True) -> None:
+    """True: (re)build the fused step on the next decode, for blocks changed since the last one;
+    False: the modules decode from now on."""
+    if enabled:
+        _STACKS.pop(model, None)
+    else:
+        _STACKS[model] = None
+
+
+def fused_blocks(model):
     """The extension's DecodeStack holding every block's weights, or None where the fused step does
-    not apply. Built once per model (a module swap or sharding after that is not expected)."""
-    cached = getattr(model, "_fused_decode", False)
-    if cached is not False:
-        return cached
+    not apply. Built once per model (after a module swap or sharding, call use_fused_blocks)."""
+    if model in _STACKS:
+        return _STACKS[model]
     module = load()
     fused = None
     cfg = model.cfg
@@ -123,7 +138,7 @@ def fused_blocks(model) -> tuple | None:
             fused = module.DecodeStack(norms, tensors, dims, extras, windows, local, routers, moe, cfg.norm_eps, head_dim,
                                        cfg.mlp_act == "gelu_tanh", cfg.attn_scale or head_dim ** -0.5,
                                        cfg.attn_softcap or 0.0)
-    model._fused_decode = fused
+    _STACKS[model] = fused
     return fused
 
 

@@ -51,8 +51,9 @@ class QLMScorer:
         self.after = tokenizer.encode(after, add_bos=False)
         self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
-    def rows(self, query: str, passages: list[str]) -> tuple[list[list[int]], list[int], list[int]]:
-        """Token rows (prompt + passage + query), where each row's query starts, and the query ids."""
+    def score_rows(self, query: str, passages: list[str]) -> list["ScoreRow"]:
+        """One scoring row per passage, prompt + passage + query (what the serving engine batches across
+        requests)."""
         query_ids = self.tok.encode(" " + query.strip(), add_bos=False, special=False)  # text, never control tokens
         if not query_ids:
             raise HardyError("the query is empty")
@@ -60,18 +61,12 @@ class QLMScorer:
         room = limit - len(self.before) - len(self.after) - len(query_ids)
         if room < 1:
             raise HardyError(f"the query ({len(query_ids)} tokens) does not fit the model's context of {limit}")
-        rows, starts = [], []
+        rows = []
         for passage in passages:
             ids = self.tok.encode(passage, add_bos=False, special=False)[:min(self.cfg.max_passage_tokens, room)]
             prefix = (self.before + ids + self.after) or [self.pad_id]  # a query token needs a position before it
-            rows.append(prefix + query_ids)
-            starts.append(len(prefix))
-        return rows, starts, query_ids
-
-    def score_rows(self, query: str, passages: list[str]) -> list["ScoreRow"]:
-        """One scoring row per passage (what the serving engine batches across requests)."""
-        rows, starts, query_ids = self.rows(query, passages)
-        return [ScoreRow(row, start, query_ids) for row, start in zip(rows, starts)]
+            rows.append(ScoreRow(prefix + query_ids, len(prefix), query_ids))
+        return rows
 
     def score(self, query: str, passages: list[str]) -> list[float]:
         """log P(query | prompt, passage) for each passage, in the passages' order."""

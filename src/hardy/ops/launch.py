@@ -18,6 +18,13 @@ PREEMPTED = "preempted.json"  # RUN_DIR/...: written by a run that stopped on a 
 DEFAULT_PORT = 29500
 
 
+@dataclass(frozen=True)
+class LiveNodes:
+    count: int
+    endpoint: tuple[str, int] | None  # (host, port) of the first node's store; None on one node
+    node_rank: int
+
+
 def parse_nnodes(spec: str) -> tuple[int, int]:
     """'N' or 'MIN:MAX' -> (min, max)."""
     parts = spec.split(":")
@@ -73,12 +80,12 @@ class Launch:
             raise HardyError(f"--node-rank must be >= 0 (got {self.node_rank})")
         return counts
 
-    def live_nodes(self) -> tuple[int, tuple[str, int] | None, int]:
-        """Live recovery's (nodes, endpoint or None, this node's rank): a fixed N, and the rank given (or
-        $SLURM_NODEID), since every node's groups are its own to start."""
+    def live_nodes(self) -> LiveNodes:
+        """Live recovery's nodes: a fixed N, and the rank given (or $SLURM_NODEID), since every node's
+        groups are its own to start."""
         counts = self.checked_nodes()
         if counts is None:
-            return 1, None, 0
+            return LiveNodes(1, None, 0)
         low, high = counts
         if low != high:
             raise HardyError("fault.recovery = live takes a fixed --nnodes N: its replica groups leave and rejoin "
@@ -86,7 +93,7 @@ class Launch:
         if self.node_rank is None or self.node_rank >= low:
             raise HardyError(f"live recovery on {low} nodes needs --node-rank 0..{low - 1} (0 on the endpoint's "
                              "node; $SLURM_NODEID under srun)")
-        return low, parse_endpoint(self.rdzv_endpoint), self.node_rank
+        return LiveNodes(low, parse_endpoint(self.rdzv_endpoint), self.node_rank)
 
     def torchrun_args(self, module_args: list[str]) -> list[str]:
         """The torchrun command line (after `torchrun`) that runs `python -m hardy MODULE_ARGS`."""

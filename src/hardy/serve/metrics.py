@@ -31,7 +31,7 @@ class ServerMetrics:
         Gauge("hardy_running_batch", "requests holding a slot (decoded together)",
               registry=self.registry).set_function(lambda: sum(s is not None for s in engine.slots))
 
-        if getattr(engine, "speculator", None) is not None:
+        if engine.speculator is not None:
             self.registry.register(_Speculation(engine.speculator))
 
     def count_response(self, path: str, status: int) -> None:
