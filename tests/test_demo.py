@@ -102,11 +102,29 @@ def test_bad_arguments_are_one_line(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
-def test_short_demo_end_to_end(tmp_path):
+def test_a_probe_file_that_is_not_a_profile_is_refused_before_anything_runs(tmp_path, probe_profile):
+    bad = tmp_path / "bad.json"
+    profile = json.loads(probe_profile.read_text())
+    del profile["duration_s"]  # the planner does not read it; the demo's report does
+    for text, message in (("not json", "is not JSON"), (json.dumps({"schema": 0}), "not a hardy probe profile"),
+                          (json.dumps(profile), "no duration_s")):
+        bad.write_text(text)
+        r = hardy_main("demo", "--run-dir", str(tmp_path / "d"), "--probe", str(bad))
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "d").exists()
+
+
+def test_short_demo_end_to_end(tmp_path, probe_profile):
+    """The whole demo on this machine, with the session's `hardy probe --quick` profile (the probe itself
+    is tests/test_probe.py's): the demo with --probe FILE uses it instead of probing again."""
     run_dir = tmp_path / "demo"
-    r = run_hardy("demo", "--run-dir", str(run_dir), "--steps", "40", "--eval-tokens", "2048", timeout=600)
+    r = run_hardy("demo", "--run-dir", str(run_dir), "--steps", "40", "--eval-tokens", "2048", "--probe",
+                  str(probe_profile), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
+    assert f"(from {probe_profile})" in out
+    assert json.loads((run_dir / "hardware-profile.json").read_text()) == json.loads(probe_profile.read_text())
     # one line per event on the screen; the ranks' own output in the run directory
     assert "Traceback" not in out + r.stderr
     assert re.search(r"step \d+: loss not finite \(NaN injected\) → update skipped", out)

@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("--faults", default=None, help="fault.inject spec (default: a NaN, a crash and a hang spread "
                                                   "over the run); '' for none")
     p.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens for perplexity (default 16384)")
+    p.add_argument("--probe", type=Path, default=None, metavar="FILE",
+                   help="a profile of this machine from `hardy probe --out FILE` (or an earlier demo's "
+                        "RUN_DIR/hardware-profile.json), used instead of probing again")
     p.set_defaults(func=run)
 
 
@@ -29,7 +32,7 @@ def run(args) -> int:
     if args.eval_tokens < 256:
         raise HardyError(f"--eval-tokens must be >= 256 (got {args.eval_tokens})")
     results = run_demo(DemoOptions(run_dir=args.run_dir, steps=args.steps, nproc=args.nproc, faults=args.faults,
-                                   eval_tokens=args.eval_tokens))
+                                   eval_tokens=args.eval_tokens, probe_file=args.probe))
     print()
     width = max(len(s["name"]) for s in results["stages"])
     for s in results["stages"]:

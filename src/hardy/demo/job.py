@@ -31,13 +31,16 @@ from hardy.model.config import count_parameters, get_preset
 from hardy.ops.probe import run_probe
 from hardy.plan.arch import arch_from_llama
 from hardy.plan.check import check_run, run_hardware
-from hardy.plan.hardware import hardware_from_profile
+from hardy.plan.hardware import hardware_from_profile, read_profile
 from hardy.plan.runtime_probe import measure_training_runtime
 from hardy.plan.train import TrainJob, plan_train
 
 MARKER = "demo.json"  # a directory holding it is a demo's and may be replaced by the next demo
 CORPORA = ("tinyshakespeare", "wikitext2-valid")  # bundled; wikitext2-test stays for evaluation elsewhere
 ASSUMED_RESTART_S = 5.0  # the planner's restart cost before this run measures one
+# what the demo's stages and report read from a probe profile, beyond what the planner checks
+PROFILE_FIELDS = ("cpu.model", "cpu.physical_cores", "cpu.flags", "memory.bandwidth", "disk.write_bandwidth",
+                  "disk.read_bandwidth", "allreduce", "duration_s")
 
 
 @dataclass
@@ -54,6 +57,7 @@ class DemoOptions:
     faults: str | None = None  # default: a NaN, a crash and a hang spread over the run
     eval_tokens: int = 16384
     quick_probe: bool = True
+    probe_file: Path | None = None  # a `hardy probe` profile of this machine, used instead of probing again
     prompt: str = "ROMEO:"
 
     def default_faults(self) -> str:
@@ -95,10 +99,11 @@ class Demo:
             raise HardyError("the demo trains on at least 2 processes (--nproc 2)")
         if self.opts.steps < 20:
             raise HardyError(f"--steps {self.opts.steps}: the demo needs at least 20 steps to place its faults")
+        profile = self.probe_file_profile()  # a bad file is refused before the run directory is touched
         prepare_run_dir(self.run_dir)
         self.results = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.opts).items()},
                         "started": time.time()}
-        self._stage("probe", self.probe)
+        self._stage("probe", lambda: self.probe(profile))
         self._stage("plan", self.plan)
         self._stage("data", self.data)
         self._stage("train", self.train)
@@ -113,9 +118,27 @@ class Demo:
 
     # ---------------------------------------------------------------------------------- stages
 
-    def probe(self) -> str:
-        profile = run_probe(self.run_dir, quick=self.opts.quick_probe, progress=False, measure_quant=measure_quant_gemv,
-                            measure_runtime=measure_training_runtime)
+    def probe_file_profile(self) -> dict | None:
+        """--probe FILE's profile, checked for what the planner and the report read from it."""
+        path = self.opts.probe_file
+        if path is None:
+            return None
+        profile = read_profile(path)
+        where = f"probe profile {path}"
+        hardware_from_profile(profile, where=where)
+        for dotted in PROFILE_FIELDS:
+            value = profile
+            for key in dotted.split("."):
+                if not isinstance(value, dict) or key not in value:
+                    raise HardyError(f"{where}: no {dotted} (written by an older hardy probe? run it again)")
+                value = value[key]
+        return profile
+
+    def probe(self, profile: dict | None = None) -> str:
+        source = f" (from {self.opts.probe_file})" if profile is not None else ""
+        if profile is None:
+            profile = run_probe(self.run_dir, quick=self.opts.quick_probe, progress=False,
+                                measure_quant=measure_quant_gemv, measure_runtime=measure_training_runtime)
         write_json_atomic(self.run_dir / "hardware-profile.json", profile)
         self.results["probe"] = profile
         cpu, mm = profile["cpu"], profile["matmul"]
@@ -123,7 +146,7 @@ class Demo:
         best = max(d["best_flops"] for d in mm["dtypes"].values())
         return (f"{cpu['model']}, {cpu['physical_cores']} cores ({flags}); matmul {best / 1e9:,.0f} GFLOP/s, "
                 f"memory {profile['memory']['bandwidth'] / 1e9:.1f} GB/s, disk write "
-                f"{profile['disk']['write_bandwidth'] / 1e9:.2f} GB/s")
+                f"{profile['disk']['write_bandwidth'] / 1e9:.2f} GB/s{source}")
 
     def _job(self, hw, device_mtbf_hours: float | None, restart_s: float) -> TrainJob:
         o = self.opts

@@ -389,6 +389,12 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
 
 def hardware_from_profile_file(path: Path) -> Hardware:
     path = Path(path)
+    return hardware_from_profile(read_profile(path), where=f"probe profile {path}", name=f"probe:{path}")
+
+
+def read_profile(path: Path) -> dict:
+    """A `hardy probe` profile's JSON, or a one-line error naming the file."""
+    path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
@@ -399,4 +405,4 @@ def hardware_from_profile_file(path: Path) -> Hardware:
         profile = json.loads(text)
     except json.JSONDecodeError as e:
         raise HardyError(f"probe profile {path} is not JSON ({e.msg} at line {e.lineno})") from None
-    return hardware_from_profile(profile, where=f"probe profile {path}", name=f"probe:{path}")
+    return profile
