@@ -67,10 +67,11 @@ def test_the_entries_added_for_published_runs(catalogue):
     assert grand_teton.inter_node.bandwidth == 50e9 and grand_teton.peak("fp8") == 1978.9e12
     # run at 500 W of its 700 W: the sustained clock goes as the cube root of the power
     assert grand_teton.clock_fraction == pytest.approx((500 / 700) ** (1 / 3))
-    assert grand_teton.achievable_flops("bf16") == pytest.approx(989.4e12 * 0.80 * (500 / 700) ** (1 / 3))
+    in_layer = 0.803 * 0.70 / 0.869  # MAMF x the share of it A100 layers reach
+    assert grand_teton.achievable_flops("bf16") == pytest.approx(989.4e12 * in_layer * (500 / 700) ** (1 / 3))
     # torchtitan's notes put this part's peak "between SXM and NVL" (835-989 TF/s bf16): the model agrees
     assert 835e12 < grand_teton.peak("bf16") * grand_teton.clock_fraction < 989.4e12
-    assert sxm.clock_fraction == 1.0 and sxm.achievable_flops("bf16") == pytest.approx(989e12 * 0.80)
+    assert sxm.clock_fraction == 1.0 and sxm.achievable_flops("bf16") == pytest.approx(989e12 * in_layer)
     gb200 = catalogue["gb200"]
     assert gb200.peak("bf16") == 2500e12 and gb200.peak("fp8") == 5000e12 and gb200.memory_bytes == 186e9
     assert gb200.devices_per_node == 72 and gb200.intra_node.bandwidth == 900e9
@@ -78,6 +79,33 @@ def test_the_entries_added_for_published_runs(catalogue):
     assert a100.memory_bytes == 40e9 and a100.memory_bandwidth == 1555e9 and a100.peak("bf16") == 312e12
     rows = dict(describe_hardware(grand_teton))
     assert rows["power"] == "700 W rated, run at 500 W: sustained clock 0.894 of rated (modelled)"
+
+
+def test_entries_with_a_best_case_matmul_figure_take_the_in_layer_share_measured_on_the_reference(tmp_path):
+    """flops_efficiency = best-case matmul x (the reference's in-layer ÷ best-case), and the constant's
+    origin is the reference's source; an entry with both figures keeps its own; no reference: one line."""
+    text = CATALOGUE.read_text()
+    base = load_catalogue()
+    a100, h200, mi300x = base["a100-80g"], base["h200"], base["mi300x"]
+    share = a100.flops_efficiency / a100.best_gemm_efficiency
+    assert share == pytest.approx(0.70 / 0.869)
+    assert h200.flops_efficiency == pytest.approx(0.803 * share) and h200.best_gemm_efficiency == 0.803
+    assert mi300x.flops_efficiency == pytest.approx(0.514 * share)
+    assert dict(h200.calibrated_on)["flops_efficiency"] == "korthikanti-2022"
+    assert base["l40s"].flops_efficiency == 0.70 and base["l40s"].calibrated_on == ()  # its own figure
+    # a reference whose layers reach less of its best case lowers every derived entry by as much
+    slower = tmp_path / "slower.toml"
+    slower.write_text(text.replace("flops_efficiency = 0.70\ncalibrated_on", "flops_efficiency = 0.35\ncalibrated_on", 1))
+    changed = load_catalogue(slower)
+    assert changed["a100-80g"].flops_efficiency == 0.35
+    assert changed["h200"].flops_efficiency == pytest.approx(h200.flops_efficiency / 2)
+    assert changed["b200"].flops_efficiency == pytest.approx(base["b200"].flops_efficiency / 2)
+    assert "best-case matmul 0.80" in dict(describe_hardware(h200))["efficiency"]
+    orphan = tmp_path / "orphan.toml"
+    orphan.write_text(text.replace('reference = "a100-80g"', 'reference = "tpu-v9"', 1))
+    with pytest.raises(HardyError, match=r"\[hardware.h100-sxm\] gives best_gemm_efficiency") as e:
+        load_catalogue(orphan)
+    assert "\n" not in str(e.value)
 
 
 def test_a_power_limit_at_or_above_the_rating_leaves_the_clock(catalogue):

@@ -27,6 +27,9 @@ def test_validate_json_reports_the_gpu_runs_by_source():
     assert set(runs["leave_one_source_out"]["refits"]) == {"korthikanti-2022: a100-80g.flops_efficiency"}
     for run in runs["runs"]:
         assert run["error"] == pytest.approx(run["predicted"] / run["published"] - 1)
+    # every run in the set ran, so each must be predicted to fit (KempnerForge's 70B on 8 H200s only does
+    # as it ran, with no fp32 master weights)
+    assert runs["predicted_to_fit"] == len(runs["runs"]) and all(r["fits"] for r in runs["runs"])
 
 
 def test_error_summary_by_hand():

@@ -341,8 +341,8 @@ def test_hsdp_shards_states_within_a_group_and_all_reduces_them_across():
     """HSDP 4 x 8 on 32 H100s (4 nodes): each device holds an eighth of the states, as FSDP on one node
     does, four times FSDP-32's; its collectives are FSDP-8's inside the node plus one all-reduce of each
     gradient shard across the four replicas over InfiniBand."""
-    from hardy.plan.memory import model_state_bytes
-    from hardy.plan.timing import STATE_BYTES, StepSetup, data_parallel_seconds, ring_allreduce
+    from hardy.plan.memory import STATE_BYTES, model_state_bytes
+    from hardy.plan.timing import StepSetup, data_parallel_seconds, ring_allreduce
 
     hsdp, fsdp32 = plan_train(hsdp_job(dp_replicate=4)), plan_train(hsdp_job())
     params = hsdp.params_local
@@ -500,3 +500,36 @@ def test_op_level_selective_checkpointing_as_torchtitan_runs_it():
     assert plans["selective"].step_s < plans["selective-op"].step_s < plans["full"].step_s
     with pytest.raises(HardyError, match="selective-op is torchtitan's policy for Llama models"):
         plan_train(TrainJob(**{**job, "arch": load_arch("gpt-22b")}, ac="selective-op"))
+
+
+def test_no_master_weights_holds_half_the_states_and_moves_fewer_optimizer_bytes():
+    """Pure bf16 (KempnerForge's 70B on 8 H200s, TP 4 x FSDP 2), by hand: weights, gradients, m and v in
+    bf16 are 8 bytes per parameter instead of mixed precision's 16, the AdamW step moves 18 bytes per
+    parameter instead of 48, and a checkpoint holds 6 instead of 12. With the fp32 copy it does not fit in
+    141 GB; as it ran (128.5 GB reported), it does."""
+    from hardy.plan.public_runs import arch_for
+
+    job = dict(arch=arch_for("llama3-70b", 4096), hw=get_hardware("h200"), devices=8, seq=4096, tp=4, zero=3,
+               ac="full", micro_batch=2, global_batch_tokens=2 * 2 * 4 * 4096)
+    mixed, pure = plan_train(TrainJob(**job)), plan_train(TrainJob(**job, master_weights=False))
+    local = pure.params_local / 2  # FSDP over the two data-parallel ranks
+    assert pure.params_local == mixed.params_local
+    assert [pure.memory[p] for p in ("weights", "gradients", "optimizer")] == pytest.approx([2 * local, 2 * local,
+                                                                                           4 * local])
+    assert mixed.memory["optimizer"] == pytest.approx(12 * local)
+    assert not mixed.fits and pure.fits
+    bw = job["hw"].achievable_bandwidth()
+    assert mixed.step.optimizer_s == pytest.approx(48 * local / bw) and pure.step.optimizer_s == pytest.approx(
+        18 * local / bw)
+    assert pure.reliability["checkpoint_bytes"] == pytest.approx(mixed.reliability["checkpoint_bytes"] / 2)
+    assert pure.to_dict()["parallel"]["master_weights"] is False
+
+
+def test_no_master_weights_is_for_16_bit_training():
+    proc = hardy_main("plan", "train", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                      "--precision", "fp32", "--no-master-weights")
+    assert proc.returncode == 2 and "--no-master-weights is for 16-bit training" in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    ok = hardy_main("plan", "train", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--devices", "8",
+                    "--no-master-weights", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["parallel"]["master_weights"] is False

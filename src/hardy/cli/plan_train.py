@@ -53,6 +53,8 @@ def register_train(group) -> None:
     p.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise"],
                    help="the blocks' linear GEMMs in fp8 with tensorwise or rowwise scaling (torchao float8); "
                         "attention and the LM head stay bf16")
+    p.add_argument("--no-master-weights", dest="master_weights", action="store_false",
+                   help="16-bit weights, gradients and AdamW states with no fp32 master copy (pure bf16 training)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many "
                    "ranks (ring attention, load-balanced causal chunks)")
     p.add_argument("--ac", default="none", help="activation recompute: none, selective (GPT), full, every:K")
@@ -96,6 +98,7 @@ def _job(args, hw, arch):
                     restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
                         tp=args.tp, pp=args.pp, **_hsdp(args),
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
+                        master_weights=args.master_weights,
                         offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 

@@ -54,7 +54,7 @@ class Hardware:
     peak_flops: dict[str, float]  # dense FLOP/s per dtype (fp32, bf16, fp16, int8 where known)
     memory_bytes: float  # per device
     memory_bandwidth: float  # bytes/s per device
-    flops_efficiency: float  # achievable fraction of peak FLOP/s in large GEMMs
+    flops_efficiency: float  # achievable fraction of peak FLOP/s in a training layer's GEMMs
     bandwidth_efficiency: float  # achievable fraction of peak memory bandwidth (stream copy / decode)
     devices_per_node: int
     intra_node: Link  # NVLink / xGMI / UPI / shared memory
@@ -100,6 +100,7 @@ class Hardware:
     calibrated_on: tuple[tuple[str, str], ...] = ()
     tdp_w: float | None = None  # the part's rated board power
     power_limit_w: float | None = None  # the limit it is run at, where that is below the TDP
+    best_gemm_efficiency: float | None = None  # the best-case matmul's fraction of peak (MAMF), where cited
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -221,7 +222,9 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
             efficiency_source=str(data.get("efficiency_source", "")),
             calibrated_on=tuple((str(k), str(v)) for k, v in data.get("calibrated_on", {}).items()),
             tdp_w=None if data.get("tdp_w") is None else float(data["tdp_w"]),
-            power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]))
+            power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]),
+            best_gemm_efficiency=None if data.get("best_gemm_efficiency") is None
+            else float(data["best_gemm_efficiency"]))
     except HardyError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -239,7 +242,30 @@ def load_catalogue(path: Path | None = None) -> dict[str, Hardware]:
     entries = data.get("hardware")
     if not isinstance(entries, dict) or not entries:
         raise HardyError(f"hardware catalogue {path} has no [hardware.NAME] tables")
+    derive_layer_gemm_efficiency(entries, data.get("layer_gemm"), str(path))
     return {name: hardware_from_dict(name, entry, str(path)) for name, entry in entries.items()}
+
+
+def derive_layer_gemm_efficiency(entries: dict, layer_gemm: dict | None, where: str) -> None:
+    """Fill in `flops_efficiency` for entries that cite only a best-case matmul figure: GEMMs inside
+    training layers reach the share of the best case that [layer_gemm] `reference`'s entry measured
+    (both figures given there), and the constant then comes from the reference's source."""
+    derived = [name for name, e in entries.items() if isinstance(e, dict) and "flops_efficiency" not in e
+               and "best_gemm_efficiency" in e]
+    if not derived:
+        return
+    ref_name = (layer_gemm or {}).get("reference")
+    ref = entries.get(ref_name) if isinstance(ref_name, str) else None
+    if not isinstance(ref, dict) or "flops_efficiency" not in ref or "best_gemm_efficiency" not in ref:
+        raise HardyError(f"{where}: [hardware.{derived[0]}] gives best_gemm_efficiency without flops_efficiency, "
+                         "and [layer_gemm] reference names no entry with both")
+    share = float(ref["flops_efficiency"]) / float(ref["best_gemm_efficiency"])
+    origin = (ref.get("calibrated_on") or {}).get("flops_efficiency")
+    for name in derived:
+        entry = entries[name]
+        entry["flops_efficiency"] = float(entry["best_gemm_efficiency"]) * share
+        if origin:
+            entry["calibrated_on"] = {**entry.get("calibrated_on", {}), "flops_efficiency": origin}
 
 
 def get_hardware(name: str, catalogue: Path | None = None) -> Hardware:
@@ -269,7 +295,9 @@ def describe_hardware(hw: Hardware) -> list[tuple[str, str]]:
             ("peak TFLOP/s (dense)", peaks + ("" if hw.fast_bf16 else "  (bf16/fp16 emulated: slow)")),
             ("memory", f"{hw.memory_bytes / 1e9:,.1f} GB per {unit}"),
             ("memory bandwidth", f"{hw.memory_bandwidth / 1e9:,.1f} GB/s per {unit}"),
-            ("efficiency", f"GEMM {hw.flops_efficiency:.2f}, memory {hw.bandwidth_efficiency:.2f}"),
+            ("efficiency", f"GEMM {hw.flops_efficiency:.2f}" + (
+                f" (best-case matmul {hw.best_gemm_efficiency:.2f})" if hw.best_gemm_efficiency else "")
+             + f", memory {hw.bandwidth_efficiency:.2f}"),
             ("power", "unknown" if not hw.tdp_w else f"{hw.tdp_w:,.0f} W rated" + (
                 f", run at {hw.power_limit_w:,.0f} W: sustained clock {hw.clock_fraction:.3f} of rated (modelled)"
                 if hw.clock_fraction < 1 else "")),

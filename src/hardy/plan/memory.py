@@ -4,7 +4,8 @@ Model states (ZeRO, Rajbhandari et al. 2020): with w, g, o bytes per parameter f
 gradients and optimizer states and d data-parallel ranks sharing them,
     ZeRO-0  (w + g + o)·Ψ      ZeRO-1  (w + g)·Ψ + o·Ψ/d
     ZeRO-2  w·Ψ + (g + o)·Ψ/d  ZeRO-3  (w + g + o)·Ψ/d
-Mixed precision Adam: w = 2, g = 2, o = 12 (fp32 master, m, v); pure fp32 Adam: 4, 4, 8.
+Mixed precision Adam: w = 2, g = 2, o = 12 (fp32 master, m, v); pure fp32 Adam: 4, 4, 8; without
+master weights (pure bf16: weights, gradients, m and v all 16-bit, as KempnerForge trains): 2, 2, 4.
 
 Activations per layer and micro-batch, from what autograd actually keeps:
 - GPT-style (Korthikanti et al. 2022): 16-bit s·b·h·(34 + 5·a·s/h); built here from its parts so
@@ -26,12 +27,19 @@ from hardy.plan.arch import Arch
 
 # bytes per parameter: weights, gradients, optimizer states (AdamW)
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+NO_MASTER_STATE_BYTES = (2, 2, 4)  # 16-bit weights and gradients, AdamW's m and v in 16 bits too
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full", "selective_op")
 
 
+def state_bytes(precision: str, master_weights: bool = True) -> tuple[int, int, int]:
+    """Bytes per parameter of weights, gradients and AdamW states; `master_weights` False: a 16-bit run
+    that keeps no fp32 copy."""
+    return STATE_BYTES[precision] if master_weights or precision == "fp32" else NO_MASTER_STATE_BYTES
+
+
 def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
-                      offload: str = "none") -> dict[str, float]:
+                      offload: str = "none", master_weights: bool = True) -> dict[str, float]:
     """Per-device bytes of weights, gradients and optimizer states for `params` parameters held by
     this model-parallel rank, sharded over `dp` ranks by ZeRO stage `zero` (3 = FSDP full shard).
 
@@ -44,7 +52,7 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
         raise HardyError(f"offload must be none, optimizer or params (got {offload!r})")
     if offload == "params" and zero != 3:
         raise HardyError("parameter offload needs ZeRO-3 / FSDP full sharding (--zero 3)")
-    w, g, o = STATE_BYTES[precision]
+    w, g, o = state_bytes(precision, master_weights)
     shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[zero]
     weights, grads, optim = w * params / shard[0], g * params / shard[1], o * params / shard[2]
     host = 0.0

@@ -28,7 +28,8 @@ SOURCES = {
                         "tokens/s per GPU = global batch x 2048 / iteration time / GPUs)",
     "kempnerforge": "KempnerInstitute/KempnerForge benchmarks/weak_scaling_160gpu/README.md (Llama-3-style 13B and "
                     "70B, TP 4 x FSDP, full activation checkpointing, H200 141GB, 4 per node; tokens/s per GPU = "
-                    "the published aggregate / GPUs)",
+                    "the published aggregate / GPUs) and kempnerforge/distributed/parallel.py (the model cast to "
+                    "bf16 before training: no fp32 master weights)",
 }
 
 # MPT (d_model, n_layers, n_heads), vocabulary 50,368; Llama shapes as their configs give them
@@ -63,6 +64,7 @@ class PublicRun:
     sequence_parallel: bool = False
     interleaved_stages: int = 1  # > 1: the interleaved pipeline schedule
     per_node: int | None = None  # GPUs per node where the run's nodes differ from the catalogue entry's
+    master_weights: bool = True  # False: the run keeps weights and AdamW states in bf16 (no fp32 copy)
 
     @property
     def label(self) -> str:
@@ -79,7 +81,10 @@ def _titan(model, seq, mb, ac, tps, hardware="a100-80g", gpus=64):
 
 
 def _kempner(model, gpus, mb, aggregate):
-    return PublicRun("kempnerforge", "h200", model, gpus, 4096, mb, 4, aggregate / gpus, "full", tp=4, per_node=4)
+    # build_parallel_model casts the TP-sharded model to bf16 (model.to(dtype=param_dtype)): FSDP2 keeps
+    # bf16 shards, and AdamW's m and v follow the parameters' dtype
+    return PublicRun("kempnerforge", "h200", model, gpus, 4096, mb, 4, aggregate / gpus, "full", tp=4, per_node=4,
+                     master_weights=False)
 
 
 def _megatron(model, t, p, gpus, batch, mb, stages, ac, step_s):
@@ -150,7 +155,7 @@ def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
                    zero=run.zero, ac=run.ac, micro_batch=run.micro_batch, precision="bf16",
                    sequence_parallel=run.sequence_parallel,
                    schedule="interleaved" if run.interleaved_stages > 1 else "1f1b",
-                   virtual_stages=run.interleaved_stages)
+                   virtual_stages=run.interleaved_stages, master_weights=run.master_weights)
     plan = plan_train(job)
     return plan.tokens_per_s / run.gpus, plan.fits
 

@@ -50,8 +50,9 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
     rows = [("model", f"{j.arch.name} ({j.arch.family}, {j.arch.params_total / 1e9:.3f} B parameters)"),
             ("hardware", f"{j.devices} x {j.hw.name} ({fmt_bytes(device_mem)} each)"),
             ("parallelism", f"{plan.dims.describe()}, ZeRO-{j.zero}, ac {j.ac}, micro-batch {j.micro_batch} x "
-                            f"{plan.micro_batches} per step, {j.precision}" + (", sequence parallel" if
-                                                                              j.sequence_parallel else "")),
+                            f"{plan.micro_batches} per step, {j.precision}"
+                            + ("" if j.master_weights else " (no fp32 master weights)")
+                            + (", sequence parallel" if j.sequence_parallel else "")),
             ("batch", f"{j.global_batch_tokens:,} tokens per step (sequences of {j.seq})")]
     for part in MEMORY_PARTS:
         if m[part]:

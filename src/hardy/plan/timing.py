@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hardy.plan.arch import Arch
 from hardy.plan.hardware import Hardware, Link
-from hardy.plan.memory import ACT_BYTES, STATE_BYTES
+from hardy.plan.memory import ACT_BYTES, state_bytes
 
 # Operators per transformer layer forward in the two implementations (backward ≈ 2× as many).
 OPS_PER_LAYER = {"llama": 30, "gpt": 24}
@@ -29,6 +29,9 @@ OPTIMIZER_OPS_PER_TENSOR = 12
 # writes it (4 + 4); mixed precision also writes the 16-bit weight copy (2) and accumulates the
 # 16-bit gradient into an fp32 main gradient (2 + 8).
 ADAM_BYTES_PER_PARAM = {"fp32": 28 + 8, "bf16": 28 + 8 + 2 + 10, "fp16": 28 + 8 + 2 + 10}
+# Without master weights everything is 16-bit: the gradient read, weight, m and v read and written
+# (2 + 3 × 4), clipping's read and zeroing's write (2 + 2).
+NO_MASTER_ADAM_BYTES_PER_PARAM = 2 + 12 + 4
 
 
 def param_tensors(arch: Arch, layers: int) -> int:
@@ -67,6 +70,7 @@ class StepSetup:
     dp_replicate: int = 1  # HSDP: ZeRO-3 within groups of dp / dp_replicate, replicated across them
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention, load-balanced causal)
     fp8: str = "none"  # none | tensorwise | rowwise: the layers' linear GEMMs in fp8 (torchao float8 training)
+    master_weights: bool = True  # False: 16-bit weights and optimizer states, no fp32 copy
 
     @property
     def dp_shard(self) -> int:
@@ -244,7 +248,7 @@ def data_parallel_seconds(hw: Hardware, s: StepSetup, params_local: float, layer
     micro-batch, one per layer), ZeRO-1/2's all-gather of the updated shards, and under HSDP the
     all-reduce of each gradient shard across the replica groups. Context-parallel ranks join the
     sharding group (they hold gradients of other tokens of the same sequences)."""
-    w_bytes, g_bytes, _ = STATE_BYTES[s.precision]
+    w_bytes, g_bytes, _ = state_bytes(s.precision, s.master_weights)
     shard = s.dp_shard
     link = hw.link(shard * s.tp * s.pp)  # the sharding group's fabric (inside a node where it fits)
     if s.zero >= 2:
@@ -297,7 +301,8 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
         hidden = 0.0
     dp_exposed = max(0.0, dp - hidden)
     shard = s.dp_shard if s.zero >= 1 else 1
-    optimizer = ADAM_BYTES_PER_PARAM[s.precision] * params_local / shard / bw
+    adam_bytes = ADAM_BYTES_PER_PARAM[s.precision] if s.master_weights else NO_MASTER_ADAM_BYTES_PER_PARAM
+    optimizer = adam_bytes * params_local / shard / bw
     if hw.kind == "cpu":  # the per-tensor AdamW kernel and gradient clipping: operators per tensor
         optimizer += OPTIMIZER_OPS_PER_TENSOR * param_tensors(arch, layers) * hw.op_overhead_s
     return StepTime(compute_s=m * mb_compute, elementwise_s=m * mb_elem, dispatch_s=m * dispatch, tp_comm_s=m * mb_tp,

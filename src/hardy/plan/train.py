@@ -12,7 +12,7 @@ from hardy.parallel.dims import ParallelDims
 from hardy.plan.arch import Arch
 from hardy.plan.hardware import Hardware
 from hardy.plan.memory import (ACT_BYTES, STATE_BYTES, ActivationSetup, layer_activation_bytes,
-                               model_state_bytes, output_activation_bytes)
+                               model_state_bytes, output_activation_bytes, state_bytes)
 from hardy.plan.timing import StepSetup, StepTime, compute_dtype, step_time
 
 GiB = 2 ** 30
@@ -33,6 +33,7 @@ class TrainJob:
     dp_replicate: int = 1  # HSDP: FSDP (zero 3) within groups of dp / dp_replicate, replicated across them
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     fp8: str = "none"  # none | tensorwise | rowwise: the blocks' linears in fp8 (torchao float8 training)
+    master_weights: bool = True  # False: weights, gradients and AdamW states in the 16-bit precision
     ac: str = "none"  # none | selective | full | every:K
     micro_batch: int = 1
     offload: str = "none"  # none | optimizer | params
@@ -125,7 +126,8 @@ class TrainPlan:
                              "cp": self.job.cp, "fp8": self.job.fp8,
                              "ac": self.job.ac, "micro_batch": self.job.micro_batch,
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
-                             "precision": self.job.precision, "sequence_parallel": self.job.sequence_parallel,
+                             "precision": self.job.precision, "master_weights": self.job.master_weights,
+                             "sequence_parallel": self.job.sequence_parallel,
                              "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
                 "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
                 "device_memory_bytes": self.job.hw.memory_bytes,
@@ -193,6 +195,9 @@ def check_job(job: TrainJob) -> Layout:
     if job.precision not in hw.peak_flops:
         raise HardyError(f"{hw.name} has no {job.precision} arithmetic in the catalogue "
                          f"(has {', '.join(sorted(hw.peak_flops))}): choose another --precision")
+    if not job.master_weights and job.precision == "fp32":
+        raise HardyError("--no-master-weights is for 16-bit training (--precision bf16 or fp16): fp32 weights "
+                         "are their own master copy")
     if job.fp8 not in ("none", "tensorwise", "rowwise"):
         raise HardyError(f"--fp8 must be none, tensorwise or rowwise (got {job.fp8!r})")
     if job.fp8 != "none" and job.precision != "bf16":
@@ -281,9 +286,9 @@ def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: fl
     arch, hw = job.arch, job.hw
     params_local = max(params_first, params_last)
     act_first, act_last = activation_bytes(job, lay)
-    states = {k: model_state_bytes(p, job.zero, lay.shard_dp, job.precision, job.offload) for k, p in
-              (("first", params_first), ("last", params_last))}
-    w, g, _ = STATE_BYTES[job.precision]
+    states = {k: model_state_bytes(p, job.zero, lay.shard_dp, job.precision, job.offload, job.master_weights)
+              for k, p in (("first", params_first), ("last", params_last))}
+    w, g, _ = state_bytes(job.precision, job.master_weights)
     layer_params = arch.params_per_layer / job.tp
     buffers = 0.0
     if job.zero == 3 and lay.shard_dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
@@ -330,7 +335,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          recompute_fraction=lay.recompute_fraction,
                                          sequence_parallel=job.sequence_parallel, precision=job.precision,
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
-                                         cp=job.cp, fp8=job.fp8),
+                                         cp=job.cp, fp8=job.fp8, master_weights=job.master_weights),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
@@ -340,10 +345,11 @@ def plan_train(job: TrainJob) -> TrainPlan:
     return plan
 
 
-def checkpoint_bytes(arch: Arch, precision: str) -> float:
-    """A full training checkpoint: weights + optimizer states (hardy/DCP saves fp32 masters)."""
-    w, _, o = STATE_BYTES[precision]
-    return arch.params_total * (o + (0 if precision != "fp32" else w))
+def checkpoint_bytes(arch: Arch, precision: str, master_weights: bool = True) -> float:
+    """A full training checkpoint: weights + optimizer states (hardy/DCP saves the fp32 masters, which
+    stand for the 16-bit weights; without them the 16-bit weights are saved)."""
+    w, _, o = state_bytes(precision, master_weights)
+    return arch.params_total * (o + (0 if precision != "fp32" and master_weights else w))
 
 
 def reliability(plan: TrainPlan, shard_params: float) -> dict[str, float]:
@@ -353,12 +359,12 @@ def reliability(plan: TrainPlan, shard_params: float) -> dict[str, float]:
     nodes = max(1, math.ceil(job.devices / job.hw.devices_per_node))
     bw = (job.checkpoint_bandwidth or job.hw.disk_write_bandwidth) * nodes
     # Every node writes its share at once; a synchronous save stalls training for that long.
-    stall = checkpoint_bytes(job.arch, job.precision) / bw
+    saved = checkpoint_bytes(job.arch, job.precision, job.master_weights)
+    stall = saved / bw
     interval = daly_interval(stall, mtbf_s)
     goodput = expected_goodput(interval, stall, mtbf_s, job.restart_s)
     expected_failures = (plan.train_time_s / goodput if goodput else 0.0) / mtbf_s
-    return {"device_mtbf_hours": device_mtbf, "job_mtbf_s": mtbf_s, "checkpoint_bytes": checkpoint_bytes(
-        job.arch, job.precision), "checkpoint_stall_s": stall, "interval_s": interval,
+    return {"device_mtbf_hours": device_mtbf, "job_mtbf_s": mtbf_s, "checkpoint_bytes": saved, "checkpoint_stall_s": stall, "interval_s": interval,
         "interval_steps": max(1, round(interval / plan.step_s)), "restart_s": job.restart_s,
         "goodput": goodput, "expected_interruptions": expected_failures}
 
