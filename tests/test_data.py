@@ -227,8 +227,8 @@ def test_streamed_documents_equal_those_of_the_whole_text(tmp_path, monkeypatch,
 
 
 def test_prepare_holds_no_more_memory_for_eight_times_the_text(tmp_path):
-    """Streaming: prepare's peak RSS over its start-up is about the same for 4,000 documents of 150 and of
-    1,200 words (5 MB and 40 MB of text): nothing holds the corpus; what grows with the corpus is the
+    """Streaming: prepare's peak RSS over its start-up is about the same for 2,500 documents of 150 and of
+    1,200 words (3 MB and 25 MB of text): nothing holds the corpus; what grows with the corpus is the
     de-duplication index, per document (README: hardy data prepare). Every document survives into the shards."""
     import subprocess
     import sys
@@ -242,13 +242,13 @@ def test_prepare_holds_no_more_memory_for_eight_times_the_text(tmp_path):
     peaks = []
     for n_words in (150, 1200):
         path = tmp_path / f"c{n_words}.txt"
-        path.write_text("".join(" ".join(rng.choice(words) for _ in range(n_words)) + "\n\n" for _ in range(4000)))
+        path.write_text("".join(" ".join(rng.choice(words) for _ in range(n_words)) + "\n\n" for _ in range(2500)))
         out = subprocess.run([sys.executable, "-c", probe, str(path), str(tmp_path / f"o{n_words}")],
                              capture_output=True, text=True, check=True).stdout.split()
         growth_kb, documents, kept, chars = map(int, out)
-        assert kept == documents == 4000 and chars >= n_words * 4000 * 4
+        assert kept == documents == 2500 and chars >= n_words * 2500 * 4
         peaks.append(growth_kb)
-    assert peaks[1] < peaks[0] + 12 * 1024, peaks  # the extra 35 MB of text, held, would show in full
+    assert peaks[1] < peaks[0] + 12 * 1024, peaks  # the extra 22 MB of text, held, would show in full
 
 
 def test_the_per_distinct_character_counts_equal_the_character_loops():
