@@ -106,6 +106,11 @@ def test_entries_with_a_best_case_matmul_figure_take_the_in_layer_share_measured
     with pytest.raises(HardyError, match=r"\[hardware.h100-sxm\] gives best_gemm_efficiency") as e:
         load_catalogue(orphan)
     assert "\n" not in str(e.value)
+    garbled = tmp_path / "garbled.toml"
+    garbled.write_text(text.replace("best_gemm_efficiency = 0.514", 'best_gemm_efficiency = "fast"', 1))
+    with pytest.raises(HardyError, match=r"\[mi300x\]: bad GEMM efficiency field") as e:
+        load_catalogue(garbled)
+    assert "\n" not in str(e.value)
 
 
 def test_a_power_limit_at_or_above_the_rating_leaves_the_clock(catalogue):

@@ -259,13 +259,17 @@ def derive_layer_gemm_efficiency(entries: dict, layer_gemm: dict | None, where: 
     if not isinstance(ref, dict) or "flops_efficiency" not in ref or "best_gemm_efficiency" not in ref:
         raise HardyError(f"{where}: [hardware.{derived[0]}] gives best_gemm_efficiency without flops_efficiency, "
                          "and [layer_gemm] reference names no entry with both")
-    share = float(ref["flops_efficiency"]) / float(ref["best_gemm_efficiency"])
-    origin = (ref.get("calibrated_on") or {}).get("flops_efficiency")
-    for name in derived:
-        entry = entries[name]
-        entry["flops_efficiency"] = float(entry["best_gemm_efficiency"]) * share
-        if origin:
-            entry["calibrated_on"] = {**entry.get("calibrated_on", {}), "flops_efficiency": origin}
+    name = ref_name
+    try:
+        share = float(ref["flops_efficiency"]) / float(ref["best_gemm_efficiency"])
+        origin = (ref.get("calibrated_on") or {}).get("flops_efficiency")
+        for name in derived:
+            entry = entries[name]
+            entry["flops_efficiency"] = float(entry["best_gemm_efficiency"]) * share
+            if origin:
+                entry["calibrated_on"] = {**entry.get("calibrated_on", {}), "flops_efficiency": origin}
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise HardyError(f"{where} [{name}]: bad GEMM efficiency field ({e})") from None
 
 
 def get_hardware(name: str, catalogue: Path | None = None) -> Hardware:
