@@ -73,7 +73,7 @@ def run_train(args) -> int:
         from hardy.train.live import train_live
 
         summary = train_live(cfg, run_dir)
-        if summary is None:  # evicted as a straggler (health.straggler_action = evict): the job goes on without it
+        if summary is None:  # evicted as a straggler, or a restart after the launcher's stop: nothing to redo
             return 0
     else:
         summary = train(cfg, run_dir)

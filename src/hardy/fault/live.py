@@ -180,6 +180,32 @@ def wait_for_start(group: int, rank: int, timeout_s: float) -> None:
     store.wait([f"ready/{g}/{r}" for g in range(total // size) for r in range(size)], timedelta(seconds=timeout_s))
 
 
+STOP_KEY = "launcher-stop"  # set in the launcher's store when it forwards a stop signal: its name
+
+
+def announce_stop(store, name: str) -> None:
+    """Before the launcher signals the groups: a worker that its agent restarts afterwards (one that died
+    of the signal before its handler was installed) reads this and does not train on alone."""
+    store.set_timeout(timedelta(seconds=5))  # node 0's store may be gone: a stop does not wait on it
+    try:
+        store.set(STOP_KEY, name)
+    except RuntimeError as e:  # DistStoreError: the signal still reaches every worker alive now
+        log.warning("the stop could not be recorded in the launcher's store (%s)", e)
+
+
+def launcher_stopping(timeout_s: float) -> str | None:
+    """The stop signal the launcher forwarded before this restarted attempt began, if any. Only restarts
+    ask: a first attempt that left at once would hold up its peers, which wait for it before step 1."""
+    addr = os.environ.get(ENV_START)
+    if not addr or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return None
+    from torch.distributed import TCPStore  # start-up time: live runs only
+
+    host, port = addr.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return store.get(STOP_KEY).decode() if store.check([STOP_KEY]) else None
+
+
 def _group_store(group_rank: int, timeout_s: float) -> tuple[str, int]:
     """A TCPStore for this attempt of this group, hosted by its rank 0: torchrun's store outlives a
     restart and would hand a replacement the dead attempt's manager address."""

@@ -24,8 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from hardy.errors import HardyError, first_line
-from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_START, ENV_START_COUNT, require_torchft,
-                              start_lighthouse)
+from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, ENV_START, ENV_START_COUNT, announce_stop,
+                              require_torchft, start_lighthouse)
 from hardy.fault.preempt import STOP_SIGNALS, report_stop
 from hardy.parallel.dims import ParallelDims
 
@@ -139,6 +139,7 @@ def run_live(cfg, layout: LiveLayout, train_args: list[str], run_dir: Path, max_
 
     def forward(signum, frame):
         stopping.append(signum)
+        announce_stop(store, signal.Signals(signum).name)  # first: a worker restarted after it reads it
         stop_workers(procs)
 
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}

@@ -38,9 +38,13 @@ class StopRequest:
     def _on_signal(self, signum: int, frame) -> None:
         self.signal = self.signal or signal.Signals(signum).name
 
-    def restore(self) -> None:
+    def restore(self, ignore_late: bool = False) -> None:
+        """`ignore_late`: SIGUSR1 is ignored from now on rather than handled as before `install()` (a
+        launched worker's teardown: a stop its peers already carried out, reaching it late, must not kill
+        it, which its agent would take for a failure and restart). SIGTERM is restored even so: it is how
+        an agent ends a worker whose peers failed."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if ignore_late and sig == signal.SIGUSR1 else handler)
         self._previous = {}
 
     @property

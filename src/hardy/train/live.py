@@ -20,7 +20,7 @@ import torch
 
 from hardy.errors import HardyError, first_line
 from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, GroupStragglers, LiveReplica, StepPlan, combine_slot_rows,
-                              wait_for_start)
+                              launcher_stopping, wait_for_start)
 from hardy.fsio import write_json_atomic
 from hardy.parallel import distributed as D
 from hardy.parallel.dims import ParallelDims
@@ -337,4 +337,9 @@ def train_live(cfg, run_dir: Path):
     if group < 0 or ENV_GROUPS not in os.environ:
         raise HardyError("fault.recovery = live runs under `hardy launch` (it starts the lighthouse and the "
                          "replica groups)")
+    stopping = launcher_stopping(cfg.fault.startup_timeout_s or 7 * 86400)
+    if stopping is not None:  # exit 0: its agent does not restart it again, and the launcher reports the stop
+        print(f"[group {group}] the launcher forwarded {stopping}: this restart of replica group {group} does "
+              "not rejoin (the others stopped at one step and checkpointed)", flush=True)
+        return None
     return train(cfg, run_dir, LiveTrainer, group_dir(run_dir, group), LIVE_STOP_SIGNALS)

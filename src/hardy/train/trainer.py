@@ -590,6 +590,6 @@ def train(cfg: TrainConfig, run_dir: Path, trainer_class=Trainer, log_dir: Path 
     try:
         return trainer_class(cfg, log_dir, watchdog, stop, shared_dir=run_dir).run()
     finally:
-        stop.restore()
+        stop.restore(ignore_late="TORCHELASTIC_RUN_ID" in os.environ)  # under torchrun the process exits next
         watchdog.stop()
         D.destroy()
