@@ -341,7 +341,7 @@ def test_hsdp_shards_states_within_a_group_and_all_reduces_them_across():
     """HSDP 4 x 8 on 32 H100s (4 nodes): each device holds an eighth of the states, as FSDP on one node
     does, four times FSDP-32's; its collectives are FSDP-8's inside the node plus one all-reduce of each
     gradient shard across the four replicas over InfiniBand."""
-    from hardy.plan.memory import STATE_BYTES, model_state_bytes
+    from hardy.plan.memory import model_state_bytes
     from hardy.plan.timing import StepSetup, data_parallel_seconds, ring_allreduce
 
     hsdp, fsdp32 = plan_train(hsdp_job(dp_replicate=4)), plan_train(hsdp_job())
@@ -354,11 +354,12 @@ def test_hsdp_shards_states_within_a_group_and_all_reduces_them_across():
     assert "hsdp4x8" in hsdp.label
     hw, layers = get_hardware("h100-sxm"), 32
     setup = dict(seq=4096, micro_batch=1, micro_batches=2, zero=3)
-    across = ring_allreduce(STATE_BYTES["bf16"][1] * params / 8, 4, hw.inter_node)
+    # per layer, as each layer's gradient shard is ready; fp32 on the wire (the default --reduce-dtype)
+    across = layers * ring_allreduce(4 * params / layers / 8, 4, hw.inter_node)
     assert across > 0
     assert data_parallel_seconds(hw, StepSetup(dp=32, dp_replicate=4, **setup), params, layers) == pytest.approx(
         data_parallel_seconds(hw, StepSetup(dp=8, **setup), params, layers) + across)
-    # FSDP over all 32 gathers over InfiniBand; HSDP keeps the gathers on NVLink: less traffic time
+    # FSDP over all 32 gathers across the nodes; HSDP keeps the gathers on NVLink: less traffic time
     assert data_parallel_seconds(hw, StepSetup(dp=32, **setup), params, layers) > \
         data_parallel_seconds(hw, StepSetup(dp=32, dp_replicate=4, **setup), params, layers)
 

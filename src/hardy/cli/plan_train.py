@@ -55,6 +55,9 @@ def register_train(group) -> None:
                         "attention and the LM head stay bf16")
     p.add_argument("--no-master-weights", dest="master_weights", action="store_false",
                    help="16-bit weights, gradients and AdamW states with no fp32 master copy (pure bf16 training)")
+    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the gradients' data-parallel reduction (default fp32, as FSDP2 in torchtitan and hardy, "
+                        "Composer and Megatron run it; bf16 halves its bytes)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over this many "
                    "ranks (ring attention, load-balanced causal chunks)")
     p.add_argument("--ac", default="none", help="activation recompute: none, selective (GPT), full, every:K")
@@ -98,7 +101,7 @@ def _job(args, hw, arch):
                     restart_s=args.restart_s, **({} if not hasattr(args, "tp") else dict(
                         tp=args.tp, pp=args.pp, **_hsdp(args),
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
-                        master_weights=args.master_weights,
+                        master_weights=args.master_weights, reduce_dtype=args.reduce_dtype,
                         offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 

@@ -101,6 +101,9 @@ class Hardware:
     tdp_w: float | None = None  # the part's rated board power
     power_limit_w: float | None = None  # the limit it is run at, where that is below the TDP
     best_gemm_efficiency: float | None = None  # the best-case matmul's fraction of peak (MAMF), where cited
+    # causal flash attention forward + backward as a fraction of peak, where a kernel benchmark is cited
+    # (the kernel stock PyTorch SDPA runs on the part); None: the GEMM rate
+    attention_efficiency: float | None = None
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -159,14 +162,30 @@ class Hardware:
 
     def attention_rate(self, dtype: str, head_dim: int | None = None) -> float:
         """FLOP/s of causal attention forward + backward at a head size (measured by a probe: a CPU's
-        flash kernel runs far below its GEMMs; otherwise the GEMM rate)."""
-        if head_dim is None or not self.attention_efficiency_by_head_dim:
-            return self.achievable_flops(dtype)
-        return self.sustained_peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim)
+        flash kernel runs far below its GEMMs), else the entry's cited kernel figure, else the GEMM rate."""
+        if head_dim is not None and self.attention_efficiency_by_head_dim:
+            return self.sustained_peak(dtype) * interpolate_log(self.attention_efficiency_by_head_dim, head_dim)
+        if self.attention_efficiency is not None and dtype in ("bf16", "fp16"):  # the flash kernels' dtypes
+            return self.sustained_peak(dtype) * self.attention_efficiency
+        return self.achievable_flops(dtype)
 
     def link(self, group_size: int) -> Link:
         """The fabric a collective over `group_size` devices runs on: inside a node when it fits."""
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
+
+    def group_link(self, span: int, members_per_node: int = 1) -> Link:
+        """The fabric of an all-gather, reduce-scatter or all-reduce whose group spans `span` consecutive
+        devices with `members_per_node` of its members in each node. Across nodes, NCCL's rings enter and
+        leave a node once per channel, one NIC each: a node's share crosses the network once and spreads
+        over the intra-node link, so the members' NICs add up, to at most the intra-node link's rate."""
+        if span <= self.devices_per_node:
+            return self.intra_node
+        members = max(1, min(members_per_node, self.devices_per_node))
+        intra, inter = self.intra_node, self.inter_node
+        if members == 1:
+            return inter
+        rate = min(intra.bandwidth * intra.efficiency, members * inter.bandwidth * inter.efficiency)
+        return Link(f"{inter.name}, {members} NICs per node", rate, inter.latency, 1.0)
 
     def split(self, processes: int, share: float | None = None, name: str | None = None) -> "Hardware":
         """What each of `processes` processes on one device gets (a CPU host running several
@@ -224,11 +243,21 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
             tdp_w=None if data.get("tdp_w") is None else float(data["tdp_w"]),
             power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]),
             best_gemm_efficiency=None if data.get("best_gemm_efficiency") is None
-            else float(data["best_gemm_efficiency"]))
+            else float(data["best_gemm_efficiency"]),
+            attention_efficiency=_fraction(data.get("attention_efficiency"), "attention_efficiency"))
     except HardyError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise HardyError(f"{where} [{name}]: bad or missing field ({e})") from None
+
+
+def _fraction(value, field: str) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    if not 0 < value <= 1:
+        raise ValueError(f"{field} must be in (0, 1], got {value}")
+    return value
 
 
 def load_catalogue(path: Path | None = None) -> dict[str, Hardware]:
@@ -301,6 +330,7 @@ def describe_hardware(hw: Hardware) -> list[tuple[str, str]]:
             ("memory bandwidth", f"{hw.memory_bandwidth / 1e9:,.1f} GB/s per {unit}"),
             ("efficiency", f"GEMM {hw.flops_efficiency:.2f}" + (
                 f" (best-case matmul {hw.best_gemm_efficiency:.2f})" if hw.best_gemm_efficiency else "")
+             + (f", flash attention {hw.attention_efficiency:.2f}" if hw.attention_efficiency else "")
              + f", memory {hw.bandwidth_efficiency:.2f}"),
             ("power", "unknown" if not hw.tdp_w else f"{hw.tdp_w:,.0f} W rated" + (
                 f", run at {hw.power_limit_w:,.0f} W: sustained clock {hw.clock_fraction:.3f} of rated (modelled)"

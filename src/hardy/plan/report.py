@@ -52,6 +52,7 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
             ("parallelism", f"{plan.dims.describe()}, ZeRO-{j.zero}, ac {j.ac}, micro-batch {j.micro_batch} x "
                             f"{plan.micro_batches} per step, {j.precision}"
                             + ("" if j.master_weights else " (no fp32 master weights)")
+                            + f", gradients reduced in {j.reduce_dtype}"
                             + (", sequence parallel" if j.sequence_parallel else "")),
             ("batch", f"{j.global_batch_tokens:,} tokens per step (sequences of {j.seq})")]
     for part in MEMORY_PARTS:

@@ -71,12 +71,18 @@ class StepSetup:
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention, load-balanced causal)
     fp8: str = "none"  # none | tensorwise | rowwise: the layers' linear GEMMs in fp8 (torchao float8 training)
     master_weights: bool = True  # False: 16-bit weights and optimizer states, no fp32 copy
+    reduce_dtype: str = "fp32"  # the gradients' data-parallel reduction (fp32 or bf16)
 
     @property
     def dp_shard(self) -> int:
         """Ranks a state shards over and gradients reduce across: the data-parallel ones in a sharding
         group, times the context-parallel ones (which see other tokens of the same sequences)."""
         return self.dp // self.dp_replicate * self.cp
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element on the wire: bf16 only where asked for, on a bf16 run."""
+        return 2 if self.reduce_dtype == "bf16" and self.precision == "bf16" else 4
 
     @property
     def tokens(self) -> int:
@@ -183,7 +189,7 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     elif s.recompute in ("selective", "selective_op"):  # the forward's norms, RoPE and activations run twice
         elem *= 1 + s.recompute_fraction / 3
     elem += fp8_cast_bytes(arch, s) * (1 + (s.recompute_fraction / 3 if s.recompute == "full" else 0))
-    return {"flops": proj + attn, "gemm": proj / proj_rate + attn / attn_rate,
+    return {"flops": proj + attn, "forward_flops": fwd, "gemm": proj / proj_rate + attn / attn_rate,
             "elementwise": elem / hw.elementwise_rate(),
             "tp": tp_comm_per_layer(arch, s, hw.link(s.tp)) + ring_attention_exposed(arch, hw, s, attn / attn_rate)}
 
@@ -248,23 +254,57 @@ def data_parallel_seconds(hw: Hardware, s: StepSetup, params_local: float, layer
     micro-batch, one per layer), ZeRO-1/2's all-gather of the updated shards, and under HSDP the
     all-reduce of each gradient shard across the replica groups. Context-parallel ranks join the
     sharding group (they hold gradients of other tokens of the same sequences)."""
-    w_bytes, g_bytes, _ = state_bytes(s.precision, s.master_weights)
-    shard = s.dp_shard
-    link = hw.link(shard * s.tp * s.pp)  # the sharding group's fabric (inside a node where it fits)
-    if s.zero >= 2:
-        total = ring_allgather(g_bytes * params_local, shard, link)  # reduce-scatter of gradients
-    else:
-        total = ring_allreduce(g_bytes * params_local, shard, link)
+    w_bytes = state_bytes(s.precision, s.master_weights)[0]
+    shard, link = s.dp_shard, _shard_link(hw, s)
     if s.zero == 3:
-        gather = 2 * ring_allgather(w_bytes * params_local, shard, link)
-        per_layer_latency = 3 * layers * (shard - 1) * link.latency if shard > 1 else 0.0
-        total += gather * s.micro_batches + per_layer_latency
-    elif s.zero >= 1:  # updated shards are all-gathered back
+        gather, reduce = zero3_layer_collectives(hw, s, params_local / layers)
+        return layers * (2 * gather * s.micro_batches + reduce)
+    if s.zero == 2:
+        total = ring_allgather(s.reduce_bytes * params_local, shard, link)  # reduce-scatter of gradients
+    else:
+        total = ring_allreduce(s.reduce_bytes * params_local, shard, link)
+    if s.zero >= 1:  # updated shards are all-gathered back
         total += ring_allgather(w_bytes * params_local, shard, link)
-    if s.dp_replicate > 1:  # each device's gradient shard, across the groups (spanning the whole job)
-        total += ring_allreduce(g_bytes * params_local / shard, s.dp_replicate,
-                                hw.link(s.dp * s.cp * s.tp * s.pp))
-    return total
+    return total + _replicate_seconds(hw, s, params_local)
+
+
+def _shard_link(hw: Hardware, s: StepSetup) -> Link:
+    """The sharding group's fabric: its ranks are tp apart (TP innermost, pipeline stages outermost, as
+    torchtitan's and Megatron's meshes order them), so a node holds devices_per_node ÷ tp of them."""
+    return hw.group_link(s.dp_shard * s.tp, hw.devices_per_node // s.tp)
+
+
+def _replicate_seconds(hw: Hardware, s: StepSetup, params: float) -> float:
+    """HSDP: each device's gradient shard all-reduced across the replica groups (spanning the job)."""
+    if s.dp_replicate <= 1:
+        return 0.0
+    link = hw.group_link(s.dp * s.cp * s.tp, hw.devices_per_node // (s.dp_shard * s.tp))
+    return ring_allreduce(s.reduce_bytes * params / s.dp_shard, s.dp_replicate, link)
+
+
+def zero3_layer_collectives(hw: Hardware, s: StepSetup, layer_params: float) -> tuple[float, float]:
+    """(one all-gather of a layer's parameters, its gradients' reduce-scatter plus HSDP's all-reduce)."""
+    shard, link = s.dp_shard, _shard_link(hw, s)
+    gather = ring_allgather(state_bytes(s.precision, s.master_weights)[0] * layer_params, shard, link)
+    reduce = ring_allgather(s.reduce_bytes * layer_params, shard, link) + _replicate_seconds(hw, s, layer_params)
+    return gather, reduce
+
+
+def zero3_exposed_seconds(hw: Hardware, s: StepSetup, layer_params: float, layers: int, forward_s: float,
+                          backward_s: float) -> float:
+    """ZeRO-3 (FSDP) communication a GPU step waits on. Each layer's parameters are all-gathered before its
+    forward and again before its backward, and its gradients reduce-scattered after it, on the last
+    micro-batch only (gradient accumulation without sync, as hardy's trainer and KempnerForge do). The
+    collectives of the next layer run while this one computes (one layer of prefetch), so a layer's
+    traffic shows only where it outlasts the layer's compute (`forward_s`, `backward_s`: one layer, one
+    micro-batch, recompute in the backward), plus the first gather and the last reduce-scatter, which
+    have nothing to hide behind. Gathers and reduce-scatters share the link: their times add."""
+    gather, reduce = zero3_layer_collectives(hw, s, layer_params)
+    hidden = max(0, layers - 1)
+    forward = gather + hidden * max(0.0, gather - forward_s)
+    backward_accumulating = hidden * max(0.0, gather - backward_s)
+    backward_reducing = hidden * max(0.0, gather + reduce - backward_s) + reduce
+    return s.micro_batches * (forward + backward_accumulating) + backward_reducing - backward_accumulating
 
 
 def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> StepTime:
@@ -294,12 +334,15 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     mb = mb_compute + mb_elem + dispatch + mb_tp + mb_pp
     m = s.micro_batches
     bubble = (s.pp - 1) / s.virtual_stages * mb
-    # Data-parallel gradient traffic, overlapped with the last micro-batch's backward (2/3 of it).
     dp = data_parallel_seconds(hw, s, params_local, layers)
-    hidden = m * mb if s.zero == 3 else mb * 2 / 3
     if hw.kind == "cpu":  # CPU collectives run on the cores that compute: nothing is hidden
-        hidden = 0.0
-    dp_exposed = max(0.0, dp - hidden)
+        dp_exposed = dp
+    elif s.zero == 3:
+        layer_s = layer["gemm"] + layer["elementwise"] + layer["tp"] + dispatch / layers
+        forward_s = layer_s * layer["forward_flops"] / layer["flops"]
+        dp_exposed = zero3_exposed_seconds(hw, s, params_local / layers, layers, forward_s, layer_s - forward_s)
+    else:  # DDP / ZeRO-1/2: gradient buckets reduce during the last micro-batch's backward (2/3 of it)
+        dp_exposed = max(0.0, dp - mb * 2 / 3)
     shard = s.dp_shard if s.zero >= 1 else 1
     adam_bytes = ADAM_BYTES_PER_PARAM[s.precision] if s.master_weights else NO_MASTER_ADAM_BYTES_PER_PARAM
     optimizer = adam_bytes * params_local / shard / bw

@@ -34,6 +34,9 @@ class TrainJob:
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     fp8: str = "none"  # none | tensorwise | rowwise: the blocks' linears in fp8 (torchao float8 training)
     master_weights: bool = True  # False: weights, gradients and AdamW states in the 16-bit precision
+    # gradients' data-parallel reduction: fp32 is FSDP2's in torchtitan and hardy, Composer's DEFAULT and
+    # Megatron's; bf16 halves the bytes (FSDP2's reduce_dtype=None with bf16 parameters)
+    reduce_dtype: str = "fp32"
     ac: str = "none"  # none | selective | full | every:K
     micro_batch: int = 1
     offload: str = "none"  # none | optimizer | params
@@ -127,6 +130,7 @@ class TrainPlan:
                              "ac": self.job.ac, "micro_batch": self.job.micro_batch,
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "master_weights": self.job.master_weights,
+                             "reduce_dtype": self.job.reduce_dtype,
                              "sequence_parallel": self.job.sequence_parallel,
                              "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
                 "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
@@ -198,6 +202,11 @@ def check_job(job: TrainJob) -> Layout:
     if not job.master_weights and job.precision == "fp32":
         raise HardyError("--no-master-weights is for 16-bit training (--precision bf16 or fp16): fp32 weights "
                          "are their own master copy")
+    if job.reduce_dtype not in ("fp32", "bf16"):
+        raise HardyError(f"--reduce-dtype must be fp32 or bf16 (got {job.reduce_dtype!r})")
+    if job.reduce_dtype == "bf16" and job.precision != "bf16":
+        raise HardyError(f"--reduce-dtype bf16 is for --precision bf16 (got {job.precision}, whose gradients the "
+                         "planner reduces in fp32)")
     if job.fp8 not in ("none", "tensorwise", "rowwise"):
         raise HardyError(f"--fp8 must be none, tensorwise or rowwise (got {job.fp8!r})")
     if job.fp8 != "none" and job.precision != "bf16":
@@ -335,7 +344,8 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          recompute_fraction=lay.recompute_fraction,
                                          sequence_parallel=job.sequence_parallel, precision=job.precision,
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
-                                         cp=job.cp, fp8=job.fp8, master_weights=job.master_weights),
+                                         cp=job.cp, fp8=job.fp8, master_weights=job.master_weights,
+                                         reduce_dtype=job.reduce_dtype),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
