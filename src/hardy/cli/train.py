@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hardy import fast_exit
 from hardy.errors import HardyError
 from hardy.fault.preempt import STOP_SIGNALS, report_stop
 from hardy.fsio import write_bytes_atomic
@@ -93,6 +94,7 @@ def run_launch(args) -> int:
     if args.nproc is None:
         raise HardyError("--nproc is required (processes on this node)")
     cfg = load_config(args.config, args.set)  # validate before starting any process
+    fast_exit.request()  # once its workers have exited, the launcher ends without the interpreter's teardown
     run_dir = args.run_dir or str(default_run_dir(args.config))
     launch = Launch(args.nproc, args.max_restarts, args.nnodes, args.rdzv_endpoint,
                     args.rdzv_id or Path(run_dir).name, node_rank_of(args.node_rank, args.nnodes, os.environ),

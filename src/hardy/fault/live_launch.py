@@ -67,7 +67,7 @@ class LiveLayout:
 
 def _group_command(layout: LiveLayout, max_restarts: int, train_args: list[str], log_dir: str | None,
                    group: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.group_size),
+    cmd = [sys.executable, "-m", "hardy.fault.agent", "--standalone", "--nproc-per-node", str(layout.group_size),
            "--max-restarts", str(max_restarts)]
     if log_dir:
         cmd += ["--log-dir", str(Path(log_dir) / f"replica_{group}"), "--redirects", "3"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hardy import fast_exit
 from hardy.checkpoint.manager import CheckpointManager, SaveFailed, rng_state, set_rng_state
 from hardy.data.loader import PackedLoader
 from hardy.data.prepare import load_index, load_split
@@ -590,6 +591,9 @@ def train(cfg: TrainConfig, run_dir: Path, trainer_class=Trainer, log_dir: Path 
     try:
         return trainer_class(cfg, log_dir, watchdog, stop, shared_dir=run_dir).run()
     finally:
-        stop.restore(ignore_late="TORCHELASTIC_RUN_ID" in os.environ)  # under torchrun the process exits next
+        launched = "TORCHELASTIC_RUN_ID" in os.environ  # a torchrun worker: the process exits next
+        stop.restore(ignore_late=launched)
         watchdog.stop()
         D.destroy()
+        if launched:  # its files are closed: `python -m hardy` ends it without the interpreter's teardown
+            fast_exit.request()
