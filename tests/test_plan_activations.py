@@ -1,6 +1,7 @@
-"""`layer_activation_bytes` on layers small enough to count by hand: every recompute mode, tensor and
-sequence parallelism, dropout masks on GPU and CPU, flash and unfused attention. The numbers below are
-counted from the tensors each layout keeps (the formula's comments), not computed by the formula."""
+"""`layer_activation_bytes` and `output_activation_bytes` on layers small enough to count by hand: every
+recompute mode, tensor and sequence parallelism, dropout masks on GPU and CPU, flash and unfused
+attention, the fused loss's chunks. The numbers below are counted from the tensors each layout keeps (the
+formulas' comments), not computed by the formulas."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,7 @@ import pytest
 
 from hardy.errors import HardyError
 from hardy.plan.arch import Arch
-from hardy.plan.memory import ActivationSetup, layer_activation_bytes
+from hardy.plan.memory import ActivationSetup, layer_activation_bytes, output_activation_bytes
 
 # 8 tokens (2 sequences of 4) in bf16 (e = 2 bytes); h = 8, two heads of 4, one KV head, ffn 16 (Llama) or 32 (GPT)
 LLAMA = Arch(family="llama", name="hand-llama", vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4,
@@ -50,6 +51,7 @@ def test_llama_dropout_keeps_two_masks_of_a_byte_on_gpu_and_of_the_dtype_on_cpu(
     assert layer_activation_bytes(arch, setup(cpu=cpu)) == 8 * (104 + masks + 184)
     assert layer_activation_bytes(arch, setup(cpu=cpu, recompute="selective", tp=2, sequence_parallel=True)) == \
         8 * (48 + masks + 120) / 2
+    assert layer_activation_bytes(arch, setup(cpu=cpu, recompute="selective_op")) == 8 * (32 + masks + 80)
 
 
 @pytest.mark.parametrize("dropout, flash, recompute, tp, sp, expected", [
@@ -73,3 +75,27 @@ def test_an_unknown_recompute_mode_is_a_one_line_error_naming_the_modes():
     with pytest.raises(HardyError) as err:
         layer_activation_bytes(LLAMA, setup(recompute="half"))
     assert str(err.value) == "recompute must be one of none, selective, full, selective_op (got 'half')"
+
+
+@pytest.mark.parametrize("tp, sp, kept", [
+    (1, False, 8 * 8 * 2 + 4 * 8 * 16),  # the final LayerNorm's input (h·e) and fp32 logits (4·V) per token
+    (2, False, 8 * 8 * 2 + 4 * 8 * 16 / 2),  # the logits split by TP
+    (2, True, (8 * 8 * 2 + 4 * 8 * 16) / 2),  # and the LayerNorm input by SP
+])
+def test_gpt_output_layer_by_hand(tp, sp, kept):
+    out = output_activation_bytes(GPT, setup(tp=tp, sequence_parallel=sp))
+    assert out == (kept, 0.0)
+
+
+def test_llama_fused_loss_keeps_gradients_and_holds_its_chunks_only_while_computing():
+    # per token the final norm's input and output and d(loss)/d(hidden) (3·h·e) and 1/rms (4); the head
+    # weight's fp32 gradient (4·V·h); while computing, one chunk's logits and log-softmax in fp32
+    out = output_activation_bytes(LLAMA, setup())
+    assert out == (8 * (3 * 8 * 2 + 4) + 4 * 16 * 8, 2 * 4 * 8 * 16)  # 8 rows fit one chunk of 2^24 logits
+    # 3,000,000 words: 5 rows per chunk; 11 tokens in 3 chunks of at most 4 rows
+    big = dataclasses.replace(LLAMA, vocab_size=3_000_000)
+    out = output_activation_bytes(big, ActivationSetup(seq=11, micro_batch=1))
+    assert out == (11 * 52 + 4 * 3_000_000 * 8, 2 * 4 * 4 * 3_000_000)
+    # a vocabulary past 2^24: a row per chunk
+    huge = dataclasses.replace(LLAMA, vocab_size=1 << 25)
+    assert output_activation_bytes(huge, ActivationSetup(seq=11, micro_batch=1)).transient == 2 * 4 * (1 << 25)
