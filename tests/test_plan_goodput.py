@@ -108,3 +108,35 @@ def test_a_seed_reproduces_the_simulation_in_any_process_and_another_seed_draws_
     assert json.loads(json.dumps(here)) == elsewhere
     other = simulate(Fleet(16384), Recovery(), trials=4, seed=8)
     assert other["strategies"]["restart"]["mean"] != here["strategies"]["restart"]["mean"]
+
+
+@pytest.mark.parametrize("fleet, message", [
+    (Fleet(gpus=0, group_gpus=1), "--gpus 0 must be a positive multiple of --group-gpus 1"),
+    (Fleet(gpus=8, group_gpus=0), "--gpus 8 must be a positive multiple of --group-gpus 0"),
+    (Fleet(gpus=8, group_gpus=3), "--gpus 8 must be a positive multiple of --group-gpus 3"),
+    (Fleet(gpus=8, group_gpus=8), "8 GPUs in groups of 8 is one replica group: live recovery needs at least two"),
+    (Fleet(gpus=1, group_gpus=1), "1 GPUs in groups of 1 is one replica group"),  # one GPU is a positive multiple
+    (Fleet(gpus=2, group_gpus=1, days=0), "--days and --device-mtbf-hours must be > 0, --hardware-share within [0, 1]"),
+    (Fleet(gpus=2, group_gpus=1, device_mtbf_hours=0), "--days and --device-mtbf-hours must be > 0"),
+    (Fleet(gpus=2, group_gpus=1, hardware_share=-0.01), "--hardware-share within [0, 1]"),
+    (Fleet(gpus=2, group_gpus=1, hardware_share=1.01), "--hardware-share within [0, 1]"),
+])
+def test_a_fleet_outside_its_bounds_is_refused_with_the_bound_named(fleet, message):
+    with pytest.raises(HardyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        fleet.check()
+
+
+def test_fleets_and_recoveries_at_their_bounds_are_accepted():
+    """The smallest of each: two one-GPU groups, half a day, a one-hour MTBF, no or all hardware failures,
+    zero-second recoveries and a checkpoint interval just above zero."""
+    for share in (0.0, 1.0):
+        Fleet(gpus=2, group_gpus=1, days=0.5, device_mtbf_hours=0.5, hardware_share=share).check()
+    Recovery(restart_s=0, checkpoint_stall_s=0, node_replace_s=0, survivor_stall_s=0, group_restart_s=0, heal_s=0,
+             spare_join_s=0, spares=0, live_checkpoint_s=0.5).check()
+
+
+@pytest.mark.parametrize("field, value", [("restart_s", -1.0), ("spares", -1), ("live_checkpoint_s", 0.0)])
+def test_a_negative_recovery_time_or_no_checkpoint_interval_is_refused(field, value):
+    with pytest.raises(HardyError, match=rf"recovery times must be >= 0 and the live checkpoint interval > 0 "
+                                         rf"\(got {field} = {value}\)"):
+        Recovery(**{field: value}).check()
