@@ -298,7 +298,8 @@ def zero3_exposed_seconds(hw: Hardware, s: StepSetup, layer_params: float, layer
     collectives of the next layer run while this one computes (one layer of prefetch), so a layer's
     traffic shows only where it outlasts the layer's compute (`forward_s`, `backward_s`: one layer, one
     micro-batch, recompute in the backward), plus the first gather and the last reduce-scatter, which
-    have nothing to hide behind. Gathers and reduce-scatters share the link: their times add."""
+    have nothing to hide behind (the backward's first gather runs behind the output layer's backward).
+    Gathers and reduce-scatters share the link: their times add."""
     gather, reduce = zero3_layer_collectives(hw, s, layer_params)
     hidden = max(0, layers - 1)
     forward = gather + hidden * max(0.0, gather - forward_s)
