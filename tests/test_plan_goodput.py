@@ -117,13 +117,14 @@ def test_a_seed_reproduces_the_simulation_in_any_process_and_another_seed_draws_
     (Fleet(gpus=8, group_gpus=8), "8 GPUs in groups of 8 is one replica group: live recovery needs at least two"),
     (Fleet(gpus=1, group_gpus=1), "1 GPUs in groups of 1 is one replica group"),  # one GPU is a positive multiple
     (Fleet(gpus=2, group_gpus=1, days=0), "--days and --device-mtbf-hours must be > 0, --hardware-share within [0, 1]"),
-    (Fleet(gpus=2, group_gpus=1, device_mtbf_hours=0), "--days and --device-mtbf-hours must be > 0"),
-    (Fleet(gpus=2, group_gpus=1, hardware_share=-0.01), "--hardware-share within [0, 1]"),
-    (Fleet(gpus=2, group_gpus=1, hardware_share=1.01), "--hardware-share within [0, 1]"),
+    (Fleet(gpus=2, group_gpus=1, device_mtbf_hours=0), "--days and --device-mtbf-hours must be > 0, --hardware-share within [0, 1]"),
+    (Fleet(gpus=2, group_gpus=1, hardware_share=-0.01), "--days and --device-mtbf-hours must be > 0, --hardware-share within [0, 1]"),
+    (Fleet(gpus=2, group_gpus=1, hardware_share=1.01), "--days and --device-mtbf-hours must be > 0, --hardware-share within [0, 1]"),
 ])
 def test_a_fleet_outside_its_bounds_is_refused_with_the_bound_named(fleet, message):
-    with pytest.raises(HardyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(HardyError) as err:
         fleet.check()
+    assert str(err.value).startswith(message)
 
 
 def test_fleets_and_recoveries_at_their_bounds_are_accepted():
