@@ -7,11 +7,10 @@ from hardy.fast_exit import exit_now
 
 code = main()
 distributed = sys.modules.get("hardy.parallel.distributed")
-if distributed is not None and distributed.left_together():
-    # A worker that met its peers and destroyed its process group skips interpreter finalization: the
-    # model's row-parallel layers still hold the gloo group, and its threads torn down there aborted a
-    # worker now and then ('terminate called without an active exception', pytorch/pytorch#179291).
-    exit_now(code)
-if fast_exit.requested():  # a launcher whose workers have exited: nothing left to finalize
+# Skip interpreter finalization where nothing is left to finalize: a launcher or launched worker whose work
+# is done, and a worker that met its peers and destroyed its process group (the model's row-parallel layers
+# still hold the gloo group, and its threads torn down at finalization aborted a worker now and then:
+# 'terminate called without an active exception', pytorch/pytorch#179291).
+if fast_exit.requested() or (distributed is not None and distributed.left_together()):
     exit_now(code)
 raise SystemExit(code)

@@ -168,13 +168,9 @@ class LiveReplica:
 def wait_for_start(group: int, rank: int, timeout_s: float) -> None:
     """The first attempt's processes start stepping together, so the first quorum holds every group
     (else the first group to arrive would step alone and heal the others later)."""
-    addr = os.environ.get(ENV_START)
-    if not addr:
+    store = _start_store(timeout_s)
+    if store is None:
         return
-    from torch.distributed import TCPStore  # start-up time: live runs only
-
-    host, port = addr.rsplit(":", 1)
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(f"ready/{group}/{rank}", "1")
     total, size = int(os.environ[ENV_START_COUNT]), int(os.environ.get("WORLD_SIZE", "1"))
     store.wait([f"ready/{g}/{r}" for g in range(total // size) for r in range(size)], timedelta(seconds=timeout_s))
@@ -196,14 +192,23 @@ def announce_stop(store, name: str) -> None:
 def launcher_stopping(timeout_s: float) -> str | None:
     """The stop signal the launcher forwarded before this restarted attempt began, if any. Only restarts
     ask: a first attempt that left at once would hold up its peers, which wait for it before step 1."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return None
+    store = _start_store(timeout_s)
+    if store is None:
+        return None
+    return store.get(STOP_KEY).decode() if store.check([STOP_KEY]) else None
+
+
+def _start_store(timeout_s: float):
+    """A client of the launcher's store ($HARDY_LIVE_START); None outside `hardy launch`."""
     addr = os.environ.get(ENV_START)
-    if not addr or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if not addr:
         return None
     from torch.distributed import TCPStore  # start-up time: live runs only
 
     host, port = addr.rsplit(":", 1)
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    return store.get(STOP_KEY).decode() if store.check([STOP_KEY]) else None
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _group_store(group_rank: int, timeout_s: float) -> tuple[str, int]:

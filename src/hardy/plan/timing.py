@@ -335,15 +335,14 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     mb = mb_compute + mb_elem + dispatch + mb_tp + mb_pp
     m = s.micro_batches
     bubble = (s.pp - 1) / s.virtual_stages * mb
-    dp = data_parallel_seconds(hw, s, params_local, layers)
     if hw.kind == "cpu":  # CPU collectives run on the cores that compute: nothing is hidden
-        dp_exposed = dp
+        dp_exposed = data_parallel_seconds(hw, s, params_local, layers)
     elif s.zero == 3:
         layer_s = layer["gemm"] + layer["elementwise"] + layer["tp"] + dispatch / layers
         forward_s = layer_s * layer["forward_flops"] / layer["flops"]
         dp_exposed = zero3_exposed_seconds(hw, s, params_local / layers, layers, forward_s, layer_s - forward_s)
     else:  # DDP / ZeRO-1/2: gradient buckets reduce during the last micro-batch's backward (2/3 of it)
-        dp_exposed = max(0.0, dp - mb * 2 / 3)
+        dp_exposed = max(0.0, data_parallel_seconds(hw, s, params_local, layers) - mb * 2 / 3)
     shard = s.dp_shard if s.zero >= 1 else 1
     adam_bytes = ADAM_BYTES_PER_PARAM[s.precision] if s.master_weights else NO_MASTER_ADAM_BYTES_PER_PARAM
     optimizer = adam_bytes * params_local / shard / bw
