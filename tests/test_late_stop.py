@@ -50,3 +50,29 @@ def test_a_group_restarted_after_the_launcher_forwarded_a_stop_exits_0_without_t
     assert proc.returncode == 0, proc.stderr
     assert "[group 1] the launcher forwarded SIGTERM: this restart of replica group 1 does not rejoin" in proc.stdout
     assert not (run_dir / "replica_1").exists()  # no step, no log, no checkpoint
+
+
+def test_a_group_that_does_not_write_the_stop_checkpoint_waits_for_the_record_of_its_step(tmp_path):
+    """The launcher of a node whose groups do not write the stop's checkpoint reports the stop when they
+    exit; they exit only once the writer (another node's group, perhaps) recorded this step's checkpoint."""
+    import threading
+
+    from hardy.fault.preempt import read_preemption, record_preemption, wait_for_preemption
+
+    record_preemption(tmp_path, 40, "ckpt/step_40", "SIGUSR1")  # an earlier run's stop at the same step
+    stale = read_preemption(tmp_path)
+    assert wait_for_preemption(tmp_path, 40, stale, timeout_s=0.3) is None  # not this run's: waited out
+    assert wait_for_preemption(tmp_path, 40, None, timeout_s=0.3)["checkpoint"] == "ckpt/step_40"
+
+    def write_later(step: int, delay: float) -> threading.Thread:
+        thread = threading.Timer(delay, record_preemption, (tmp_path, step, f"ckpt/step_{step}", "SIGUSR1"))
+        thread.start()
+        return thread
+
+    late = [write_later(39, 0.1), write_later(40, 0.6)]  # another step's record first: not the one awaited
+    record = wait_for_preemption(tmp_path, 40, stale, timeout_s=10)
+    assert record["checkpoint"] == "ckpt/step_40" and record["time"] > stale["time"]
+    for thread in late:
+        thread.join()
+    (tmp_path / "preempted.json").write_text('{"step": 40, "checkpoint": null}')  # a stop without a checkpoint
+    assert wait_for_preemption(tmp_path, 40, None, timeout_s=0.2) is None

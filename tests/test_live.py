@@ -196,6 +196,17 @@ def test_the_documented_live_command_with_fsdp_groups_heals_both_kills_and_expor
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
+def slow_stop_record(where: Path, seconds: float) -> Path:
+    """A folder for PYTHONPATH whose sitecustomize makes every process started with it write its stop
+    record (preempted.json) `seconds` late, as a slow save or shared filesystem would."""
+    where.mkdir(parents=True)
+    (where / "sitecustomize.py").write_text(
+        "import time\nimport hardy.fault.preempt as p\n_record = p.record_preemption\n"
+        f"def _late(*a, **k):\n    time.sleep({seconds})\n    _record(*a, **k)\n"
+        "p.record_preemption = _late\n")
+    return where
+
+
 def _since(run_dir: Path, group: int, kind: str, since: float) -> list[dict]:
     from hardy.fault.goodput import read_events  # skips a line still being written
 
@@ -213,12 +224,17 @@ def test_groups_on_two_nodes_go_on_without_a_lost_node_and_heal_it_when_its_comm
 
     run_dir, port = tmp_path / "run", free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # node 0 (whose group 0 writes the stop's checkpoint) records it 3 s late: node 1's launcher, whose groups
+    # stop at once, must not report the stop before then (a race CI lost once)
+    node0_env = dict(env, PYTHONPATH=os.pathsep.join([str(slow_stop_record(tmp_path / "slow", 3.0)),
+                                                      *filter(None, [env.get("PYTHONPATH")])]))
     logs = [open(tmp_path / f"node{i}.log", "w") for i in range(3)]
 
     def node(rank: int, log) -> subprocess.Popen:
         cmd = live_command(run_dir, micro_dataset, 2, "parallel.dp_replicate=4", "train.steps=1000000")
         cmd += ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", str(rank)]
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env if rank else node0_env,
+                                start_new_session=True)
 
     def log_tail(i: int) -> str:
         return (tmp_path / f"node{i}.log").read_text()[-3000:]
@@ -248,6 +264,9 @@ def test_groups_on_two_nodes_go_on_without_a_lost_node_and_heal_it_when_its_comm
         end_all(nodes, logs)
     assert "node 1 of 2 runs group(s) 2, 3 of 4 replica group(s)" in log_tail(2)
     stopped = json.loads((run_dir / "preempted.json").read_text())
+    for g in (2, 3):
+        assert (f"[group {g}] the quorum's first replica group checkpointed step {stopped['step']}: "
+                f"{stopped['checkpoint']}") in log_tail(2)
     assert {g: _steps(run_dir, g)[-1]["step"] for g in range(4)} == dict.fromkeys(range(4), stopped["step"])
 
 

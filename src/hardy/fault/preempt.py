@@ -60,13 +60,35 @@ def record_preemption(run_dir: Path, step: int, checkpoint: str | None, reason: 
 def preempted_since(run_dir: Path, since: float) -> dict | None:
     """The stop record a run wrote after `since` (a time.time()), if it stopped on a signal with a
     checkpoint; None otherwise."""
+    record = read_preemption(run_dir)
+    if record is None or not record.get("checkpoint") or record.get("time", 0) < since:
+        return None
+    return record
+
+
+def read_preemption(run_dir: Path) -> dict | None:
+    """RUN_DIR/preempted.json as written, or None (absent or unreadable)."""
     try:
         record = json.loads((Path(run_dir) / PREEMPTED).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or not record.get("checkpoint") or record.get("time", 0) < since:
-        return None
-    return record
+    return record if isinstance(record, dict) else None
+
+
+def wait_for_preemption(run_dir: Path, step: int, stale: dict | None, timeout_s: float,
+                        poll_s: float = 0.1) -> dict | None:
+    """The stop record of `step` that another process (on another node, perhaps) writes into the shared
+    RUN_DIR, waited for up to `timeout_s`; None if none came. `stale`: the record there before this run
+    (a stop at the same step of an earlier run that went back to an older checkpoint is not this one).
+    Times are not compared: the writer's clock may be another node's."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = read_preemption(run_dir)
+        if record is not None and record != stale and record.get("step") == step and record.get("checkpoint"):
+            return record
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)
 
 
 def clear_preemption(run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hardy.errors import HardyError, first_line
+from hardy.fault.preempt import read_preemption, wait_for_preemption
 from hardy.fault.live import (ENV_GROUP, ENV_GROUPS, GroupStragglers, LiveReplica, StepPlan, combine_slot_rows,
                               launcher_stopping, wait_for_start)
 from hardy.fsio import write_json_atomic
@@ -43,6 +44,7 @@ def group_dir(run_dir: Path, group: int) -> Path:
 class LiveTrainer(Trainer):
     def __init__(self, cfg, run_dir, watchdog, stop=None, shared_dir=None):
         self.group, self.groups = int(os.environ[ENV_GROUP]), int(os.environ[ENV_GROUPS])
+        self.stale_stop = read_preemption(Path(shared_dir or run_dir))  # an earlier run's, if any
         if cfg.precision.dtype == "fp16":
             raise HardyError("fault.recovery = live trains in fp32 or bf16 (fp16's loss scale is per group)")
         super().__init__(cfg, run_dir, watchdog, stop, shared_dir)
@@ -313,9 +315,18 @@ class LiveTrainer(Trainer):
     def checkpoint_on_stop(self, logger) -> str | None:
         if self.writes_checkpoints():
             return super().checkpoint_on_stop(logger)
-        logger.print(f"stopped on {self.stop.signal or 'a stop signal'} after step {self.step}; the quorum's first "
-                     "replica group writes the checkpoint")
-        return None
+        # the launcher of this node reports the stop once its groups exit: not before the checkpoint exists,
+        # which another node's group may still be writing
+        f = self.cfg.fault
+        timeout = f.hang_timeout_s or f.startup_timeout_s or 600.0
+        logger.print(f"stopped on {self.stop.signal or 'a stop signal'} after step {self.step}; waiting up to "
+                     f"{timeout:g} s for the quorum's first replica group to checkpoint it")
+        record = wait_for_preemption(self.shared_dir, self.step, self.stale_stop, timeout)
+        if record is None:
+            logger.print(f"no checkpoint of step {self.step} appeared in {timeout:g} s")
+            return None
+        logger.print(f"the quorum's first replica group checkpointed step {self.step}: {record['checkpoint']}")
+        return str(record["checkpoint"])
 
     def run(self):
         try:
