@@ -64,6 +64,8 @@ def register_train(group) -> None:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--offload", default="none", choices=["none", "optimizer", "params"])
     p.add_argument("--sp", action="store_true", help="sequence parallelism with TP")
+    p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the GEMMs they feed "
+                   "(torchtitan's async TP, Megatron's TP communication overlap); needs --sp")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
     p.add_argument("--virtual-stages", type=int, default=2, help="stages per device when interleaved (default 2)")
     p.add_argument("--search", action="store_true", help="enumerate tp/pp/zero/ac/micro-batch; rank the ones that fit")
@@ -102,7 +104,7 @@ def _job(args, hw, arch):
                         tp=args.tp, pp=args.pp, **_hsdp(args),
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         master_weights=args.master_weights, reduce_dtype=args.reduce_dtype,
-                        offload=args.offload, sequence_parallel=args.sp, schedule=args.schedule,
+                        offload=args.offload, sequence_parallel=args.sp, async_tp=args.async_tp, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 
 

@@ -4,7 +4,8 @@ Per micro-batch and pipeline stage, each layer costs
   GEMMs        hardware FLOPs ÷ achievable FLOP/s (recompute adds a forward, or the attention core)
   elementwise  bytes moved by norms, activations, softmax, dropout, residuals ÷ achievable bandwidth
   TP           4 all-reduces of the layer's activations (2 forward, 2 backward; +2 with full recompute),
-               or as many all-gather + reduce-scatter pairs with sequence parallelism — not overlapped
+               or as many all-gather + reduce-scatter pairs with sequence parallelism — not overlapped,
+               but under async TP, where each shows only where it outlasts the GEMM it feeds or drains
   dispatch     a per-operator host cost (CPU: Python + ATen dispatch, on the same cores; GPU: launch
                latency, hidden behind kernels unless they are shorter)
 A step is (m + (p−1)/v) micro-batch times of the slowest stage (1F1B, v = virtual stages when
@@ -72,6 +73,7 @@ class StepSetup:
     fp8: str = "none"  # none | tensorwise | rowwise: the layers' linear GEMMs in fp8 (torchao float8 training)
     master_weights: bool = True  # False: 16-bit weights and optimizer states, no fp32 copy
     reduce_dtype: str = "fp32"  # the gradients' data-parallel reduction (fp32 or bf16)
+    async_tp: bool = False  # sequence parallel's collectives overlapped with their GEMMs (needs it)
 
     @property
     def dp_shard(self) -> int:
@@ -152,14 +154,32 @@ def model_elementwise_bytes(arch: Arch, s: StepSetup) -> float:
     return 3 * 2 * tokens * arch.vocab_size * 4 / s.tp  # fp32 logits: softmax forward and backward
 
 
-def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link) -> float:
+def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link, gemm_rate: float = 0.0) -> float:
+    """Exposed tensor-parallel seconds of one layer, one micro-batch. `gemm_rate`: FLOP/s of the
+    projections, which async TP hides the collectives behind."""
     if s.tp <= 1:
         return 0.0
     nbytes = s.tokens * arch.dim * ACT_BYTES[s.precision]
     count = 4 + (2 * s.recompute_fraction if s.recompute == "full" else 0)
+    if s.async_tp:
+        return async_tp_exposed(arch, s, ring_allgather(nbytes, s.tp, link), gemm_rate) * count / 4
     if s.sequence_parallel:
         return count * 2 * ring_allgather(nbytes, s.tp, link)
     return count * ring_allreduce(nbytes, s.tp, link)
+
+
+def async_tp_exposed(arch: Arch, s: StepSetup, collective_s: float, gemm_rate: float) -> float:
+    """Async TP (torchtitan's micro-pipelined TP, Megatron's TP communication overlap): each of a layer's
+    sequence-parallel collectives is cut into one chunk per TP rank, and the GEMM it feeds (all-gather →
+    QKV and MLP-in projections) or drains (out and MLP-out projections → reduce-scatter) runs on one chunk
+    while the next moves. Of the tp − 1 transfers, each shows only where it outlasts a chunk's GEMM. Per
+    layer: the forward's 4 collectives and the backward's 4, each beside the same projection's input-
+    gradient GEMM (as large as its forward). The GEMMs cut into tp pieces are assumed to keep their rate."""
+    mlp_in = (2 if arch.family == "llama" else 1) * arch.dim * arch.ffn_dim
+    weights = (arch.dim * (arch.q_dim + 2 * arch.kv_dim), arch.q_dim * arch.dim, mlp_in, arch.ffn_dim * arch.dim)
+    t, step = s.tp, collective_s / (s.tp - 1)
+    exposed = sum((t - 1) * max(0.0, step - 2 * s.tokens * w / t / t / gemm_rate) for w in weights)
+    return 2 * exposed  # forward and backward
 
 
 def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
@@ -191,7 +211,8 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
     elem += fp8_cast_bytes(arch, s) * (1 + (s.recompute_fraction / 3 if s.recompute == "full" else 0))
     return {"flops": proj + attn, "forward_flops": fwd, "gemm": proj / proj_rate + attn / attn_rate,
             "elementwise": elem / hw.elementwise_rate(),
-            "tp": tp_comm_per_layer(arch, s, hw.link(s.tp)) + ring_attention_exposed(arch, hw, s, attn / attn_rate)}
+            "tp": (tp_comm_per_layer(arch, s, hw.link(s.tp), proj_rate)
+                   + ring_attention_exposed(arch, hw, s, attn / attn_rate))}
 
 
 # Bytes moved per element to scale and cast a linear's operand to fp8 and back into the layout the

@@ -42,6 +42,9 @@ class TrainJob:
     offload: str = "none"  # none | optimizer | params
     precision: str = "bf16"
     sequence_parallel: bool = False
+    # TP's collectives cut into chunks that overlap the GEMMs they feed (torchtitan's async TP, Megatron's
+    # --tp-comm-overlap): both need sequence parallelism
+    async_tp: bool = False
     schedule: str = "1f1b"  # 1f1b | interleaved
     virtual_stages: int = 1
     # reliability
@@ -131,7 +134,7 @@ class TrainPlan:
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "master_weights": self.job.master_weights,
                              "reduce_dtype": self.job.reduce_dtype,
-                             "sequence_parallel": self.job.sequence_parallel,
+                             "sequence_parallel": self.job.sequence_parallel, "async_tp": self.job.async_tp,
                              "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
                 "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
                 "device_memory_bytes": self.job.hw.memory_bytes,
@@ -214,6 +217,10 @@ def check_job(job: TrainJob) -> Layout:
                          f"{job.precision}")
     if job.fp8 != "none" and "fp8" not in hw.peak_flops:
         raise HardyError(f"{hw.name} has no fp8 arithmetic in the catalogue (has {', '.join(sorted(hw.peak_flops))})")
+    if job.async_tp and (job.tp < 2 or not job.sequence_parallel):
+        raise HardyError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with their GEMMs: "
+                         f"it needs --tp 2 or more and --sp (got --tp {job.tp}"
+                         + (", --sp)" if job.sequence_parallel else ", no --sp)"))
     if job.schedule not in ("1f1b", "interleaved"):
         raise HardyError(f"schedule must be 1f1b or interleaved (got {job.schedule!r})")
     v = job.virtual_stages if job.schedule == "interleaved" else 1
@@ -345,7 +352,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          sequence_parallel=job.sequence_parallel, precision=job.precision,
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
                                          cp=job.cp, fp8=job.fp8, master_weights=job.master_weights,
-                                         reduce_dtype=job.reduce_dtype),
+                                         reduce_dtype=job.reduce_dtype, async_tp=job.async_tp),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,

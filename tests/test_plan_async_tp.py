@@ -1,0 +1,105 @@
+"""Async tensor parallelism in the training planner (`--async-tp`): sequence parallelism's all-gathers and
+reduce-scatters cut into one chunk per TP rank, each chunk's transfer hidden behind the GEMM of the chunk
+before it. Hand-worked on Llama 3 8B's projections (per layer: QKV 4096 x 6144, out 4096 x 4096, gate + up
+4096 x 28672, down 14336 x 4096 weights)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import hardy_main
+from hardy.plan.hardware import Link, get_hardware
+from hardy.plan.public_runs import arch_for
+from hardy.plan.timing import StepSetup, async_tp_exposed, ring_allgather, tp_comm_per_layer
+from hardy.plan.train import TrainJob, plan_train
+
+ARCH = arch_for("llama3-8b", 8192)
+OUT_PROJ = 4096 * 4096  # the smallest of the four projections' weights
+SP = StepSetup(seq=8192, micro_batch=1, micro_batches=1, tp=8, sequence_parallel=True)
+ASYNC = dataclasses.replace(SP, async_tp=True)
+
+
+def chunk_seconds(weights: int, rate: float, s: StepSetup = ASYNC) -> float:
+    """One TP rank's GEMM on one of its tp chunks: 2 x tokens x weights / tp (its shard) / tp (the chunk)."""
+    return 2 * s.tokens * weights / s.tp / s.tp / rate
+
+
+def link_with_step(seconds: float, s: StepSetup = ASYNC) -> Link:
+    """A latency-free link on which one chunk of a layer's activations (tokens x dim in bf16, / tp) moves in
+    `seconds`."""
+    return Link("test", bandwidth=s.tokens * ARCH.dim * 2 / s.tp / seconds, latency=0.0, efficiency=1.0)
+
+
+def test_with_no_gemm_to_hide_behind_async_tp_costs_what_sequence_parallel_does():
+    link = get_hardware("h100-sxm").intra_node
+    assert tp_comm_per_layer(ARCH, ASYNC, link, gemm_rate=float("inf")) == pytest.approx(
+        tp_comm_per_layer(ARCH, SP, link))
+    assert tp_comm_per_layer(ARCH, SP, link) == pytest.approx(8 * ring_allgather(8192 * 4096 * 2, 8, link))
+
+
+def test_a_transfer_shorter_than_every_chunks_gemm_is_hidden_entirely():
+    rate = 400e12
+    link = link_with_step(0.99 * chunk_seconds(OUT_PROJ, rate))
+    assert tp_comm_per_layer(ARCH, ASYNC, link, rate) == 0.0
+    assert tp_comm_per_layer(ARCH, SP, link) == pytest.approx(8 * 7 * 0.99 * chunk_seconds(OUT_PROJ, rate))
+
+
+def test_only_the_transfers_that_outlast_their_chunks_gemm_show():
+    """A chunk's transfer 1.25 times the out projection's chunk GEMM: shorter than QKV's (1.5 times it) and
+    the MLP's, so only the out projection's collective shows, 0.25 of a chunk GEMM for each of its 7 steps,
+    in the forward (its reduce-scatter) and the backward (its input gradient's all-gather)."""
+    rate = 400e12
+    out = chunk_seconds(OUT_PROJ, rate)
+    assert chunk_seconds(4096 * 6144, rate) == pytest.approx(1.5 * out)
+    link = link_with_step(1.25 * out)
+    assert tp_comm_per_layer(ARCH, ASYNC, link, rate) == pytest.approx(2 * 7 * 0.25 * out)
+    # full recompute runs the forward's four collectives again: half as many more
+    full = dataclasses.replace(ASYNC, recompute="full")
+    assert tp_comm_per_layer(ARCH, full, link, rate) == pytest.approx(1.5 * 2 * 7 * 0.25 * out)
+    # twice the link: every transfer hides
+    assert async_tp_exposed(ARCH, ASYNC, 7 * 0.625 * out, rate) == 0.0
+
+
+def plan(**kw):
+    job = TrainJob(arch=ARCH, hw=get_hardware("h100-sxm"), devices=64, seq=8192, global_batch_tokens=64 * 8192,
+                   tp=8, zero=1, sequence_parallel=True, **kw)
+    return plan_train(job)
+
+
+def test_async_tp_takes_the_hidden_tp_time_out_of_the_step():
+    """8-way TP on NVLink: the gate + up projection's chunk GEMM outlasts its transfer, the other three do
+    not (a transfer takes dim x 2 / NVLink's rate, a chunk's GEMM 2 x weights / tp / the GEMM rate, both per
+    token). The step loses the hidden part; its GEMMs stay; DDP's reduction, hidden behind a shorter last
+    backward, shows more."""
+    hw = get_hardware("h100-sxm")
+    rate = hw.gemm_rate("bf16", ARCH.dim)
+    link = hw.intra_node
+    step = ring_allgather(8192 * 4096 * 2, 8, link) / 7
+    assert chunk_seconds(4096 * 28672, rate) > step > chunk_seconds(14336 * 4096, rate)
+    sync, overlapped = plan().step, plan(async_tp=True).step
+    hidden = 1 - tp_comm_per_layer(ARCH, ASYNC, link, rate) / tp_comm_per_layer(ARCH, SP, link)
+    exposed = [step - chunk_seconds(w, rate) for w in (OUT_PROJ, 4096 * 6144, 14336 * 4096)]
+    assert hidden == pytest.approx(1 - 2 * 7 * sum(exposed) / (8 * 7 * step))
+    assert overlapped.tp_comm_s == pytest.approx((1 - hidden) * sync.tp_comm_s)
+    assert overlapped.compute_s == sync.compute_s and overlapped.elementwise_s == sync.elementwise_s
+    assert overlapped.dp_comm_s > sync.dp_comm_s
+    assert overlapped.total_s < sync.total_s
+
+
+def test_async_tp_on_the_command_line():
+    base = ["plan", "train", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--devices", "16", "--tp", "8"]
+    sync = hardy_main(*base, "--sp", "--json")
+    overlapped = hardy_main(*base, "--sp", "--async-tp", "--json")
+    assert sync.returncode == overlapped.returncode == 0, sync.stderr + overlapped.stderr
+    sync, overlapped = json.loads(sync.stdout), json.loads(overlapped.stdout)
+    assert (sync["parallel"]["async_tp"], overlapped["parallel"]["async_tp"]) == (False, True)
+    assert overlapped["step_time_s"]["tp_comm_s"] < sync["step_time_s"]["tp_comm_s"]
+    text = hardy_main(*base, "--sp", "--async-tp")
+    assert text.returncode == 0 and "sequence parallel, async TP" in text.stdout
+    for bad, why in (([], "got --tp 8, no --sp"), (["--tp", "1", "--sp"], "got --tp 1, --sp")):
+        proc = hardy_main(*base, *bad, "--async-tp")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters" in proc.stderr
+        assert why in proc.stderr
