@@ -59,7 +59,23 @@ def test_only_the_transfers_that_outlast_their_chunks_gemm_show():
     full = dataclasses.replace(ASYNC, recompute="full")
     assert tp_comm_per_layer(ARCH, full, link, rate) == pytest.approx(1.5 * 2 * 7 * 0.25 * out)
     # twice the link: every transfer hides
-    assert async_tp_exposed(ARCH, ASYNC, 7 * 0.625 * out, rate) == 0.0
+    assert async_tp_exposed(ARCH, ASYNC, 7 * 0.625 * out, 7 * 0.625 * out, rate) == 0.0
+
+
+def test_fp8_tensorwise_gathers_in_fp8_and_scatters_in_bf16():
+    """torchao's float8 TP: the all-gathers carry fp8 (1 byte), the reduce-scatters bf16. Synchronous: a layer's
+    4 of each cost 4 half-size gathers + 4 scatters; async, at a chunk transfer 1.25 times the out projection's
+    chunk GEMM, the gathers (0.625 of it) all hide and only the out projection's scatter shows."""
+    link = get_hardware("h100-sxm").intra_node
+    fp8 = dataclasses.replace(SP, fp8="tensorwise")
+    nbytes = 8192 * 4096 * 2
+    assert tp_comm_per_layer(ARCH, fp8, link) == pytest.approx(
+        4 * (ring_allgather(nbytes / 2, 8, link) + ring_allgather(nbytes, 8, link)))
+    assert tp_comm_per_layer(ARCH, dataclasses.replace(fp8, fp8="rowwise"), link) == tp_comm_per_layer(ARCH, SP, link)
+    rate = 400e12
+    out = chunk_seconds(OUT_PROJ, rate)
+    async_fp8 = dataclasses.replace(ASYNC, fp8="tensorwise")
+    assert tp_comm_per_layer(ARCH, async_fp8, link_with_step(1.25 * out), rate) == pytest.approx(7 * 0.25 * out)
 
 
 def plan(**kw):

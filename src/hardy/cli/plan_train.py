@@ -64,6 +64,8 @@ def register_train(group) -> None:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--offload", default="none", choices=["none", "optimizer", "params"])
     p.add_argument("--sp", action="store_true", help="sequence parallelism with TP")
+    p.add_argument("--compile", action="store_true", help="each block torch.compile'd (as torchtitan applies it): "
+                   "its norms, RoPE, SwiGLU and residuals fused (Llama-family models)")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the GEMMs they feed "
                    "(torchtitan's async TP, Megatron's TP communication overlap); needs --sp")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
@@ -104,7 +106,8 @@ def _job(args, hw, arch):
                         tp=args.tp, pp=args.pp, **_hsdp(args),
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         master_weights=args.master_weights, reduce_dtype=args.reduce_dtype,
-                        offload=args.offload, sequence_parallel=args.sp, async_tp=args.async_tp, schedule=args.schedule,
+                        offload=args.offload, sequence_parallel=args.sp, async_tp=args.async_tp,
+                        compile=args.compile, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 
 

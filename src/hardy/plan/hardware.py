@@ -101,6 +101,7 @@ class Hardware:
     tdp_w: float | None = None  # the part's rated board power
     power_limit_w: float | None = None  # the limit it is run at, where that is below the TDP
     best_gemm_efficiency: float | None = None  # the best-case matmul's fraction of peak (MAMF), where cited
+    best_gemm_efficiency_fp8: float | None = None  # the same for fp8 GEMMs (of the fp8 peak), where cited
     # causal flash attention forward + backward as a fraction of peak, where a kernel benchmark is cited
     # (the kernel stock PyTorch SDPA runs on the part); None: the GEMM rate
     attention_efficiency: float | None = None
@@ -126,7 +127,14 @@ class Hardware:
         return self.peak(dtype) * self.clock_fraction
 
     def achievable_flops(self, dtype: str) -> float:
-        return self.sustained_peak(dtype) * self.flops_efficiency
+        return self.sustained_peak(dtype) * self.gemm_efficiency(dtype)
+
+    def gemm_efficiency(self, dtype: str) -> float:
+        """A training layer's GEMMs' fraction of the dtype's peak: fp8 reaches the in-layer share
+        (flops_efficiency ÷ best_gemm_efficiency) of its own best-case matmul, where both are cited."""
+        if dtype == "fp8" and self.best_gemm_efficiency_fp8 and self.best_gemm_efficiency:
+            return self.flops_efficiency / self.best_gemm_efficiency * self.best_gemm_efficiency_fp8
+        return self.flops_efficiency
 
     def achievable_bandwidth(self) -> float:
         return self.memory_bandwidth * self.bandwidth_efficiency
@@ -244,7 +252,8 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
             power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]),
             best_gemm_efficiency=None if data.get("best_gemm_efficiency") is None
             else float(data["best_gemm_efficiency"]),
-            attention_efficiency=_fraction(data.get("attention_efficiency"), "attention_efficiency"))
+            attention_efficiency=_fraction(data.get("attention_efficiency"), "attention_efficiency"),
+            best_gemm_efficiency_fp8=_fraction(data.get("best_gemm_efficiency_fp8"), "best_gemm_efficiency_fp8"))
     except HardyError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -330,6 +339,8 @@ def describe_hardware(hw: Hardware) -> list[tuple[str, str]]:
             ("memory bandwidth", f"{hw.memory_bandwidth / 1e9:,.1f} GB/s per {unit}"),
             ("efficiency", f"GEMM {hw.flops_efficiency:.2f}" + (
                 f" (best-case matmul {hw.best_gemm_efficiency:.2f})" if hw.best_gemm_efficiency else "")
+             + (f", fp8 GEMM {hw.gemm_efficiency('fp8'):.2f} (best-case {hw.best_gemm_efficiency_fp8:.2f})"
+                if hw.best_gemm_efficiency_fp8 else "")
              + (f", flash attention {hw.attention_efficiency:.2f}" if hw.attention_efficiency else "")
              + f", memory {hw.bandwidth_efficiency:.2f}"),
             ("power", "unknown" if not hw.tdp_w else f"{hw.tdp_w:,.0f} W rated" + (

@@ -22,8 +22,9 @@ SOURCES = {
     "llm-foundry": "MosaicML llm-foundry, scripts/train/benchmarking/README.md (MPT, FSDP full shard, 8 GPUs, "
                    "amp_bf16, H100 80GB and A100 80GB tables)",
     "torchtitan": "pytorch/torchtitan docs/performance.md (Llama 2 / 3, FSDP2 on 64 A100 80GB; \"selective layer\" "
-                  "= every 2nd block checkpointed) and benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, "
-                  "FSDP2, eager, op-level selective checkpointing, H100 96GB HBM2e at 500 W)",
+                  "= every 2nd block checkpointed) and benchmarks/llama3_h100_202412_torchtitan.md (H100 96GB HBM2e "
+                  "at 500 W; Tables 1-3: Llama 3.1 8B, FSDP2, eager / torch.compile / + Float8 tensorwise, and FSDP x "
+                  "CP at 32k-256k tokens; Table 4: Llama 3.1 70B, FSDP 32 x TP 8 with and without async TP)",
     "korthikanti-2022": "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 (Megatron-LM on A100 80GB; "
                         "tokens/s per GPU = global batch x 2048 / iteration time / GPUs)",
     "kempnerforge": "KempnerInstitute/KempnerForge benchmarks/weak_scaling_160gpu/README.md (Llama-3-style 13B and "
@@ -65,19 +66,34 @@ class PublicRun:
     interleaved_stages: int = 1  # > 1: the interleaved pipeline schedule
     per_node: int | None = None  # GPUs per node where the run's nodes differ from the catalogue entry's
     master_weights: bool = True  # False: the run keeps weights and AdamW states in bf16 (no fp32 copy)
+    cp: int = 1
+    fp8: str = "none"
+    compile: bool = False
+    async_tp: bool = False
 
     @property
     def label(self) -> str:
         par = f" tp{self.tp} pp{self.pp}" if self.tp * self.pp > 1 else ""
-        return f"{self.model} {self.hardware} x{self.gpus}{par} s{self.seq} mb{self.micro_batch} ac {self.ac}"
+        par += f" cp{self.cp}" if self.cp > 1 else ""
+        extra = "".join((" compiled" if self.compile else "", f" fp8 {self.fp8}" if self.fp8 != "none" else "",
+                         " async-tp" if self.async_tp else ""))
+        return f"{self.model} {self.hardware} x{self.gpus}{par} s{self.seq} mb{self.micro_batch} ac {self.ac}{extra}"
 
 
 def _foundry(hw, model, seq, mb, ga, ac, tps):
     return PublicRun("llm-foundry", hw, model, 8, seq, mb, ga, tps, ac)
 
 
-def _titan(model, seq, mb, ac, tps, hardware="a100-80g", gpus=64):
-    return PublicRun("torchtitan", hardware, model, gpus, seq, mb, 1, tps, ac)
+def _titan(model, seq, mb, ac, tps, hardware="a100-80g", gpus=64, **kw):
+    return PublicRun("torchtitan", hardware, model, gpus, seq, mb, 1, tps, ac, **kw)
+
+
+def _titan_h100(model, gpus, seq, mb, ac, tps, **kw):
+    """benchmarks/llama3_h100_202412_torchtitan.md: FSDP2 (+ TP with sequence parallelism, + CP), bf16
+    with fp32 gradient reduction, on the 96 GB H100 at 500 W."""
+    sp = kw.get("tp", 1) > 1
+    return PublicRun("torchtitan", "h100-hbm2e-96gb-500w", model, gpus, seq, mb, 1, tps, ac, sequence_parallel=sp,
+                     **kw)
 
 
 def _kempner(model, gpus, mb, aggregate):
@@ -104,8 +120,16 @@ RUNS = (
     _titan("llama3-8b", 8192, 1, "every:2", 2904), _titan("llama2-13b", 4096, 2, "none", 2162),
     _titan("llama3-70b", 8192, 1, "full", 331), _titan("llama2-13b", 4096, 2, "every:2", 1914),
     _titan("llama2-70b", 4096, 2, "full", 353),
-    _titan("llama3-8b", 8192, 2, "selective-op", 5762, "h100-hbm2e-96gb-500w", 8),
-    _titan("llama3-8b", 8192, 2, "selective-op", 5605, "h100-hbm2e-96gb-500w", 128),
+    # Tables 1 and 3: Llama 3.1 8B, local batch 2, op-level selective checkpointing; eager, compiled, + fp8
+    *(_titan_h100("llama3-8b", gpus, 8192, 2, "selective-op", tps, **kw)
+      for gpus, tables in ((8, (5762, 6667, 8532)), (128, (5605, 6514, 8380)))
+      for tps, kw in zip(tables, ({}, {"compile": True}, {"compile": True, "fp8": "tensorwise"}))),
+    # Table 2: Llama 3.1 8B on 8 GPUs, local batch 1, full checkpointing, compiled + fp8, FSDP x CP
+    *(_titan_h100("llama3-8b", 8, seq, 1, "full", tps, cp=cp, compile=True, fp8="tensorwise")
+      for seq, cp, tps in ((32768, 1, 3890), (65536, 2, 2540), (131072, 4, 1071), (262144, 8, 548))),
+    # Table 4: Llama 3.1 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16, full checkpointing, compiled + fp8
+    *(_titan_h100("llama3-70b", 256, 8192, 16, "full", tps, tp=8, compile=True, fp8="tensorwise", async_tp=a)
+      for a, tps in ((False, 829), (True, 876))),
     # Table 3's configurations; Table 5's iteration times, full recompute and selective + sequence parallel
     _megatron("gpt-22b", 8, 1, 8, 4, 4, 1, "full", 1.42), _megatron("gpt-22b", 8, 1, 8, 4, 4, 1, "selective", 1.10),
     _megatron("gpt-175b", 8, 8, 64, 64, 1, 3, "full", 18.13),
@@ -124,8 +148,9 @@ RUNS = (
 
 
 def arch_for(model: str, seq: int) -> Arch:
-    if model in LLAMA:
-        return arch_from_llama(ModelConfig(**LLAMA[model], name=model))
+    if model in LLAMA:  # the context a run trains at (torchtitan's CP runs exceed the config's)
+        cfg = LLAMA[model]
+        return arch_from_llama(ModelConfig(**{**cfg, "max_seq_len": max(cfg["max_seq_len"], seq)}, name=model))
     if model in MPT:
         d, layers, heads = MPT[model]
         return arch_from_gpt(GPTConfig(vocab_size=50368, dim=d, n_layers=layers, n_heads=heads, max_seq_len=seq,
@@ -147,7 +172,7 @@ class RunResult:
 
 def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
     """(tokens/s per GPU, fits in memory) the planner gives for `run` on `hw`."""
-    dp = run.gpus // (run.tp * run.pp)
+    dp = run.gpus // (run.tp * run.pp * run.cp)
     if run.per_node:
         hw = dataclasses.replace(hw, devices_per_node=run.per_node)
     job = TrainJob(arch=arch_for(run.model, run.seq), hw=hw, devices=run.gpus, seq=run.seq,
@@ -155,7 +180,8 @@ def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
                    zero=run.zero, ac=run.ac, micro_batch=run.micro_batch, precision="bf16",
                    sequence_parallel=run.sequence_parallel,
                    schedule="interleaved" if run.interleaved_stages > 1 else "1f1b",
-                   virtual_stages=run.interleaved_stages, master_weights=run.master_weights)
+                   virtual_stages=run.interleaved_stages, master_weights=run.master_weights, cp=run.cp,
+                   fp8=run.fp8, compile=run.compile, async_tp=run.async_tp)
     plan = plan_train(job)
     return plan.tokens_per_s / run.gpus, plan.fits
 

@@ -54,7 +54,7 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
                             + ("" if j.master_weights else " (no fp32 master weights)")
                             + f", gradients reduced in {j.reduce_dtype}"
                             + (", sequence parallel" if j.sequence_parallel else "")
-                            + (", async TP" if j.async_tp else "")),
+                            + (", async TP" if j.async_tp else "") + (", compiled" if j.compile else "")),
             ("batch", f"{j.global_batch_tokens:,} tokens per step (sequences of {j.seq})")]
     for part in MEMORY_PARTS:
         if m[part]:

@@ -74,6 +74,7 @@ class StepSetup:
     master_weights: bool = True  # False: 16-bit weights and optimizer states, no fp32 copy
     reduce_dtype: str = "fp32"  # the gradients' data-parallel reduction (fp32 or bf16)
     async_tp: bool = False  # sequence parallel's collectives overlapped with their GEMMs (needs it)
+    compiled: bool = False  # each Llama block torch.compile'd: its elementwise operators fused
 
     @property
     def dp_shard(self) -> int:
@@ -111,6 +112,14 @@ def layer_gemm_flops(arch: Arch, s: StepSetup) -> tuple[float, float]:
 # every operator that is not a GEMM, attention or a view): norms, RoPE, attention layout copies,
 # SwiGLU, residual adds, and their gradients. tests/test_plan_timing.py recounts it.
 LLAMA_LAYER_ELEMENTS = {"h": 84, "f": 14.5, "q": 23, "kv": 25}
+# The same layer compiled (torch.compile of each block, as torchtitan applies it): what inductor's fused
+# kernels read and write, by its own per-kernel count (`hardy.ops.compiled_traffic`), least squares over
+# seven shapes (within 1.2% of each; bench/compiled_traffic.py); tests/test_plan_compile.py recounts it
+# on a shape outside the fit.
+# A forward + backward launches 42-47 kernels (the most taken) where eager runs 78 operators
+# (bench/compiled_traffic.py prints both counts).
+LLAMA_COMPILED_LAYER_ELEMENTS = {"h": 28.3, "f": 7.8, "q": 10.1, "kv": 8.5}
+LLAMA_COMPILED_KERNELS_PER_LAYER = 47
 # Around the layers, per token: embedding lookup, final norm, the fused loss over the vocabulary;
 # per micro-batch: the embedding gradient (zeroed, scattered into, added to the tied head's).
 LLAMA_MODEL_ELEMENTS = {"h": 37, "v": 8, "vh_per_microbatch": 10}
@@ -128,7 +137,7 @@ def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False)
     if arch.family == "llama":
         if scores_only:
             return 0.0
-        c = LLAMA_LAYER_ELEMENTS
+        c = LLAMA_COMPILED_LAYER_ELEMENTS if s.compiled else LLAMA_LAYER_ELEMENTS
         split = c["f"] * arch.ffn_dim + c["q"] * arch.q_dim + c["kv"] * arch.kv_dim
         replicated = c["h"] * h  # norms and residuals: replicated under TP unless sequence-parallel
         return tokens * (split / s.tp + replicated / (s.tp if s.sequence_parallel else 1)) * e
@@ -161,25 +170,35 @@ def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link, gemm_rate: float = 0
         return 0.0
     nbytes = s.tokens * arch.dim * ACT_BYTES[s.precision]
     count = 4 + (2 * s.recompute_fraction if s.recompute == "full" else 0)
+    if not s.sequence_parallel:
+        return count * ring_allreduce(nbytes, s.tp, link)
+    gather, scatter = ring_allgather(nbytes * tp_gather_scale(s), s.tp, link), ring_allgather(nbytes, s.tp, link)
     if s.async_tp:
-        return async_tp_exposed(arch, s, ring_allgather(nbytes, s.tp, link), gemm_rate) * count / 4
-    if s.sequence_parallel:
-        return count * 2 * ring_allgather(nbytes, s.tp, link)
-    return count * ring_allreduce(nbytes, s.tp, link)
+        return async_tp_exposed(arch, s, gather, scatter, gemm_rate) * count / 4
+    return count * (gather + scatter)
 
 
-def async_tp_exposed(arch: Arch, s: StepSetup, collective_s: float, gemm_rate: float) -> float:
+def tp_gather_scale(s: StepSetup) -> float:
+    """Bytes of a sequence-parallel all-gather relative to the activations': torchao's float8 TP casts a
+    column-parallel linear's input (forward) and a row-parallel one's output gradient (backward) to fp8
+    before gathering them (tensorwise scaling); the reduce-scatters stay 16-bit."""
+    return 1 / ACT_BYTES[s.precision] if s.fp8 == "tensorwise" else 1.0
+
+
+def async_tp_exposed(arch: Arch, s: StepSetup, gather_s: float, scatter_s: float, gemm_rate: float) -> float:
     """Async TP (torchtitan's micro-pipelined TP, Megatron's TP communication overlap): each of a layer's
     sequence-parallel collectives is cut into one chunk per TP rank, and the GEMM it feeds (all-gather →
     QKV and MLP-in projections) or drains (out and MLP-out projections → reduce-scatter) runs on one chunk
-    while the next moves. Of the tp − 1 transfers, each shows only where it outlasts a chunk's GEMM. Per
-    layer: the forward's 4 collectives and the backward's 4, each beside the same projection's input-
-    gradient GEMM (as large as its forward). The GEMMs cut into tp pieces are assumed to keep their rate."""
+    while the next moves. Of the tp − 1 transfers, each shows only where it outlasts a chunk's GEMM. Each
+    projection meets one all-gather and one reduce-scatter: its forward's, and in the backward the other
+    kind beside its input-gradient GEMM (as large as its forward). The GEMMs cut into tp pieces are assumed
+    to keep their rate."""
     mlp_in = (2 if arch.family == "llama" else 1) * arch.dim * arch.ffn_dim
     weights = (arch.dim * (arch.q_dim + 2 * arch.kv_dim), arch.q_dim * arch.dim, mlp_in, arch.ffn_dim * arch.dim)
-    t, step = s.tp, collective_s / (s.tp - 1)
-    exposed = sum((t - 1) * max(0.0, step - 2 * s.tokens * w / t / t / gemm_rate) for w in weights)
-    return 2 * exposed  # forward and backward
+    t = s.tp
+    chunks = [2 * s.tokens * w / t / t / gemm_rate for w in weights]
+    return sum((t - 1) * max(0.0, collective / (t - 1) - chunk)
+               for chunk in chunks for collective in (gather_s, scatter_s))
 
 
 def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
@@ -341,7 +360,8 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     mb_flops = layers * layer["flops"] + head_flops
     mb_compute = layers * layer["gemm"] + head_flops / hw.gemm_rate(dtype, arch.dim)
     mb_elem = layers * layer["elementwise"] + model_elementwise_bytes(arch, s) / hw.elementwise_rate()
-    ops = 3 * OPS_PER_LAYER[arch.family] * layers + 20
+    per_layer = LLAMA_COMPILED_KERNELS_PER_LAYER if s.compiled else 3 * OPS_PER_LAYER[arch.family]
+    ops = per_layer * layers + 20
     dispatch = ops * hw.op_overhead_s
     if hw.kind == "gpu":  # launches overlap running kernels: only what exceeds the GPU work shows
         dispatch = max(0.0, dispatch - (mb_compute + mb_elem))

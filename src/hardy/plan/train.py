@@ -45,6 +45,7 @@ class TrainJob:
     # TP's collectives cut into chunks that overlap the GEMMs they feed (torchtitan's async TP, Megatron's
     # --tp-comm-overlap): both need sequence parallelism
     async_tp: bool = False
+    compile: bool = False  # torch.compile per block (torchtitan's): the block's elementwise work fused
     schedule: str = "1f1b"  # 1f1b | interleaved
     virtual_stages: int = 1
     # reliability
@@ -135,6 +136,7 @@ class TrainPlan:
                              "precision": self.job.precision, "master_weights": self.job.master_weights,
                              "reduce_dtype": self.job.reduce_dtype,
                              "sequence_parallel": self.job.sequence_parallel, "async_tp": self.job.async_tp,
+                             "compile": self.job.compile,
                              "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
                 "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
                 "device_memory_bytes": self.job.hw.memory_bytes,
@@ -221,6 +223,9 @@ def check_job(job: TrainJob) -> Layout:
         raise HardyError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with their GEMMs: "
                          f"it needs --tp 2 or more and --sp (got --tp {job.tp}"
                          + (", --sp)" if job.sequence_parallel else ", no --sp)"))
+    if job.compile and arch.family != "llama":
+        raise HardyError(f"--compile is modelled for Llama-family models (the fused traffic is counted on hardy's "
+                         f"compiled Llama block); {arch.name} is a {arch.family} model")
     if job.schedule not in ("1f1b", "interleaved"):
         raise HardyError(f"schedule must be 1f1b or interleaved (got {job.schedule!r})")
     v = job.virtual_stages if job.schedule == "interleaved" else 1
@@ -352,7 +357,8 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          sequence_parallel=job.sequence_parallel, precision=job.precision,
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
                                          cp=job.cp, fp8=job.fp8, master_weights=job.master_weights,
-                                         reduce_dtype=job.reduce_dtype, async_tp=job.async_tp),
+                                         reduce_dtype=job.reduce_dtype, async_tp=job.async_tp,
+                                         compiled=job.compile),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
