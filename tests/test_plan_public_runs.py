@@ -30,6 +30,14 @@ def test_validate_json_reports_the_gpu_runs_by_source():
     # every run in the set ran, so each must be predicted to fit (KempnerForge's 70B on 8 H200s only does
     # as it ran, with no fp32 master weights)
     assert runs["predicted_to_fit"] == len(runs["runs"]) and all(r["fits"] for r in runs["runs"])
+    # and the configurations a source reports as out of memory must be predicted not to fit
+    oom = runs["out_of_memory"]
+    assert [r["case"] for r in oom] == [r.label for r in public_runs.OOM_RUNS] and len(oom) == 2
+    assert all(r["published"] == "OOM" and not r["predicted_to_fit"] for r in oom)
+    assert all(r["predicted_peak_bytes"] > r["device_bytes"] for r in oom)
+    # the same model and layout with full recompute ran (353 tokens/s per GPU): it is predicted to fit
+    full = dataclasses.replace(public_runs.OOM_RUNS[0], ac="full")
+    assert public_runs.plan_for(full, get_hardware("a100-80g")).fits
 
 
 def test_error_summary_by_hand():

@@ -68,7 +68,9 @@ def register_train(group) -> None:
                    "its norms, RoPE, SwiGLU and residuals fused (Llama-family models)")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the GEMMs they feed "
                    "(torchtitan's async TP, Megatron's TP communication overlap); needs --sp")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved", "zb-h1"],
+                   help="pipeline schedule: 1F1B, interleaved 1F1B (--virtual-stages), or ZB-H1 (zero bubble at "
+                        "1F1B's memory: weight gradients deferred into the bubble)")
     p.add_argument("--virtual-stages", type=int, default=2, help="stages per device when interleaved (default 2)")
     p.add_argument("--search", action="store_true", help="enumerate tp/pp/zero/ac/micro-batch; rank the ones that fit")
     p.add_argument("--rank-by", default="time", choices=["time", "cost"])
@@ -304,6 +306,12 @@ def gpu_runs_text(runs: dict, render) -> str:
     lines.append(render(["group", "runs", "MAPE", "mean error", "MAPE, its source left out"], rows))
     lines += [f"left out, re-derived: {k} {v['catalogue']:g} -> {v['refit']:g}" for k, v in loso["refits"].items()]
     lines += [f"left out, no other source to re-derive it from: {name}" for name in loso["unfittable"]]
+    oom = runs.get("out_of_memory") or []
+    if oom:
+        lines += ["", render(["source", "published out of memory", "hardy's peak", "device", "hardy"],
+                             [[r["source"], r["case"], f"{r['predicted_peak_bytes'] / 1e9:,.1f} GB",
+                               f"{r['device_bytes'] / 1e9:,.0f} GB",
+                               "fits (WRONG)" if r["predicted_to_fit"] else "does not fit"] for r in oom])]
     return "\n".join(lines)
 
 

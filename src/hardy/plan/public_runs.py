@@ -146,6 +146,11 @@ RUNS = (
 # torchtitan's A100 "selective op" rows are not listed: they ran with torch.compile in part, which the
 # planner does not model yet.
 
+# Configurations a source reports as out of memory: the planner must predict that they do not fit.
+# torchtitan docs/performance.md (64 A100 80GB, FSDP2): Llama 2 70B at local batch 2 with "selective layer"
+# (every 2nd block) and with "selective op" checkpointing, both OOM (its full-checkpointing run is above).
+OOM_RUNS = (_titan("llama2-70b", 4096, 2, "every:2", 0.0), _titan("llama2-70b", 4096, 2, "selective-op", 0.0))
+
 
 def arch_for(model: str, seq: int) -> Arch:
     if model in LLAMA:  # the context a run trains at (torchtitan's CP runs exceed the config's)
@@ -172,6 +177,12 @@ class RunResult:
 
 def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
     """(tokens/s per GPU, fits in memory) the planner gives for `run` on `hw`."""
+    plan = plan_for(run, hw)
+    return plan.tokens_per_s / run.gpus, plan.fits
+
+
+def plan_for(run: PublicRun, hw: Hardware):
+    """The planner's plan of `run` on `hw`."""
     dp = run.gpus // (run.tp * run.pp * run.cp)
     if run.per_node:
         hw = dataclasses.replace(hw, devices_per_node=run.per_node)
@@ -182,8 +193,7 @@ def predict(run: PublicRun, hw: Hardware) -> tuple[float, bool]:
                    schedule="interleaved" if run.interleaved_stages > 1 else "1f1b",
                    virtual_stages=run.interleaved_stages, master_weights=run.master_weights, cp=run.cp,
                    fp8=run.fp8, compile=run.compile, async_tp=run.async_tp)
-    plan = plan_train(job)
-    return plan.tokens_per_s / run.gpus, plan.fits
+    return plan_train(job)
 
 
 def evaluate(runs=RUNS, catalogue=None) -> list[RunResult]:
@@ -266,4 +276,18 @@ def report(catalogue=None) -> dict:
         "by_hardware": grouped(results, lambda r: r.run.hardware),
         "leave_one_source_out": leave_one_source_out(RUNS, catalogue),
         "predicted_to_fit": sum(r.fits for r in results),
+        "out_of_memory": out_of_memory(catalogue),
     }
+
+
+def out_of_memory(catalogue=None) -> list[dict]:
+    """The published out-of-memory configurations, each with the planner's peak and verdict."""
+    entries = load_catalogue(catalogue)
+    out = []
+    for run in OOM_RUNS:
+        hw = entries[run.hardware]
+        plan = plan_for(run, hw)
+        out.append({"source": run.source, "case": run.label, "hardware": run.hardware, "published": "OOM",
+                    "predicted_peak_bytes": plan.memory["peak"], "device_bytes": hw.memory_bytes,
+                    "predicted_to_fit": plan.fits})
+    return out

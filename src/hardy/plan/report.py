@@ -44,6 +44,9 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
+SCHEDULES = {"1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
+
+
 def train_plan_rows(plan) -> list[tuple[str, str]]:
     j, m, st, r = plan.job, plan.memory, plan.step, plan.reliability
     device_mem = j.hw.memory_bytes
@@ -54,7 +57,8 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
                             + ("" if j.master_weights else " (no fp32 master weights)")
                             + f", gradients reduced in {j.reduce_dtype}"
                             + (", sequence parallel" if j.sequence_parallel else "")
-                            + (", async TP" if j.async_tp else "") + (", compiled" if j.compile else "")),
+                            + (", async TP" if j.async_tp else "") + (", compiled" if j.compile else "")
+                            + (f", {SCHEDULES[j.schedule]} schedule" if j.pp > 1 else "")),
             ("batch", f"{j.global_batch_tokens:,} tokens per step (sequences of {j.seq})")]
     for part in MEMORY_PARTS:
         if m[part]:

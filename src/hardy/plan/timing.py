@@ -67,6 +67,7 @@ class StepSetup:
     sequence_parallel: bool = False
     precision: str = "bf16"
     virtual_stages: int = 1  # interleaved 1F1B
+    schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1 (the pipeline's bubble)
     devices_per_process: float = 1.0  # CPU hosts: a process's share of the probed machine
     dp_replicate: int = 1  # HSDP: ZeRO-3 within groups of dp / dp_replicate, replicated across them
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention, load-balanced causal)
@@ -229,6 +230,7 @@ def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:
         elem *= 1 + s.recompute_fraction / 3
     elem += fp8_cast_bytes(arch, s) * (1 + (s.recompute_fraction / 3 if s.recompute == "full" else 0))
     return {"flops": proj + attn, "forward_flops": fwd, "gemm": proj / proj_rate + attn / attn_rate,
+            "weight_grad": (fwd - core) / proj_rate,
             "elementwise": elem / hw.elementwise_rate(),
             "tp": (tp_comm_per_layer(arch, s, hw.link(s.tp), proj_rate)
                    + ring_attention_exposed(arch, hw, s, attn / attn_rate))}
@@ -348,6 +350,15 @@ def zero3_exposed_seconds(hw: Hardware, s: StepSetup, layer_params: float, layer
     return s.micro_batches * (forward + backward_accumulating) + backward_reducing - backward_accumulating
 
 
+def zero_bubble_h1(pp: int, microbatch_s: float, weight_grad_s: float) -> float:
+    """ZB-H1's bubble (Qi et al. 2023, arXiv 2401.10241, §3): the backward split into input gradients (B)
+    and weight gradients (W), W deferred into the slots 1F1B leaves idle, so the bubble is
+    (p − 1)(T_F + T_B − T_W) where 1F1B's is (p − 1)(T_F + T_B + T_W), at 1F1B's peak activation memory.
+    `microbatch_s` = T_F + T_B + T_W of one micro-batch on the busiest stage, `weight_grad_s` = its T_W:
+    the projections' and the LM head's weight-gradient GEMMs."""
+    return (pp - 1) * max(0.0, microbatch_s - 2 * weight_grad_s)
+
+
 def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> StepTime:
     """Predicted time of one optimizer step on the slowest device. `params_local`: parameters this
     device holds before data-parallel sharding (its pipeline stage ÷ TP)."""
@@ -375,7 +386,11 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
         mb_pp = 2 * s.virtual_stages * (act / (pp_link.bandwidth * pp_link.efficiency) + pp_link.latency)
     mb = mb_compute + mb_elem + dispatch + mb_tp + mb_pp
     m = s.micro_batches
-    bubble = (s.pp - 1) / s.virtual_stages * mb
+    if s.schedule == "zb-h1":  # the weight gradients (W) of later micro-batches fill the bubble
+        weight_grad = layers * layer["weight_grad"] + head_flops / 3 / hw.gemm_rate(dtype, arch.dim)
+        bubble = zero_bubble_h1(s.pp, mb, weight_grad)
+    else:
+        bubble = (s.pp - 1) / s.virtual_stages * mb
     if hw.kind == "cpu":  # CPU collectives run on the cores that compute: nothing is hidden
         dp_exposed = data_parallel_seconds(hw, s, params_local, layers)
     elif s.zero == 3:

@@ -46,7 +46,7 @@ class TrainJob:
     # --tp-comm-overlap): both need sequence parallelism
     async_tp: bool = False
     compile: bool = False  # torch.compile per block (torchtitan's): the block's elementwise work fused
-    schedule: str = "1f1b"  # 1f1b | interleaved
+    schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1
     virtual_stages: int = 1
     # reliability
     device_mtbf_hours: float | None = None
@@ -226,8 +226,8 @@ def check_job(job: TrainJob) -> Layout:
     if job.compile and arch.family != "llama":
         raise HardyError(f"--compile is modelled for Llama-family models (the fused traffic is counted on hardy's "
                          f"compiled Llama block); {arch.name} is a {arch.family} model")
-    if job.schedule not in ("1f1b", "interleaved"):
-        raise HardyError(f"schedule must be 1f1b or interleaved (got {job.schedule!r})")
+    if job.schedule not in ("1f1b", "interleaved", "zb-h1"):
+        raise HardyError(f"schedule must be 1f1b, interleaved or zb-h1 (got {job.schedule!r})")
     v = job.virtual_stages if job.schedule == "interleaved" else 1
     if v < 1:
         raise HardyError(f"virtual stages must be >= 1 (got {v})")
@@ -358,7 +358,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
                                          cp=job.cp, fp8=job.fp8, master_weights=job.master_weights,
                                          reduce_dtype=job.reduce_dtype, async_tp=job.async_tp,
-                                         compiled=job.compile),
+                                         compiled=job.compile, schedule=job.schedule),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
