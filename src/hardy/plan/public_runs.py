@@ -27,6 +27,10 @@ SOURCES = {
                   "CP at 32k-256k tokens; Table 4: Llama 3.1 70B, FSDP 32 x TP 8 with and without async TP)",
     "korthikanti-2022": "Korthikanti et al. 2022, arXiv 2205.05198, Tables 3 and 5 (Megatron-LM on A100 80GB; "
                         "tokens/s per GPU = global batch x 2048 / iteration time / GPUs)",
+    "trainy-whitefiber": "Trainy on WhiteFiber, pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
+                         "(Llama 3.1 8B on 4 and 8 hosts of 8 H200, 400 Gb/s RDMA per GPU; torchtitan llama3_8b.toml "
+                         "at e7c0cae: seq 8192, op-level selective checkpointing, FSDP over all ranks; local batch 2, "
+                         "torch.compile, Float8 tensorwise)",
     "kempnerforge": "KempnerInstitute/KempnerForge benchmarks/weak_scaling_160gpu/README.md (Llama-3-style 13B and "
                     "70B, TP 4 x FSDP, full activation checkpointing, H200 141GB, 4 per node; tokens/s per GPU = "
                     "the published aggregate / GPUs) and kempnerforge/distributed/parallel.py (the model cast to "
@@ -138,6 +142,8 @@ RUNS = (
     _megatron("gpt-530b", 8, 35, 280, 280, 1, 3, "selective", 37.83),
     _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "full", 94.42),
     _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "selective", 71.49),
+    *(PublicRun("trainy-whitefiber", "h200", "llama3-8b", gpus, 8192, 2, 1, tps, "selective-op", compile=True,
+                fp8="tensorwise") for gpus, tps in ((32, 10938), (64, 10753))),
     *(_kempner("kempner-13b", g, 4, tps) for g, tps in ((8, 29860), (32, 110373), (64, 216507), (128, 423306),
                                                         (160, 534644))),
     *(_kempner("llama3-70b", g, 2, tps) for g, tps in ((8, 3623), (32, 18688), (64, 35824), (96, 52190),
