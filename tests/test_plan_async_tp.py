@@ -119,3 +119,14 @@ def test_async_tp_on_the_command_line():
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert "--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters" in proc.stderr
         assert why in proc.stderr
+
+
+def test_a_search_with_async_tp_applies_it_wherever_it_tries_tensor_parallelism():
+    from hardy.plan.train import search
+
+    base = TrainJob(arch=ARCH, hw=get_hardware("h100-sxm"), devices=16, seq=8192, global_batch_tokens=16 * 8192,
+                    async_tp=True)
+    plans, tried = search(base, limit=0)
+    with_tp = [p for p in plans if p.job.tp > 1]
+    assert with_tp and all(p.job.async_tp and p.job.sequence_parallel for p in with_tp)
+    assert all(not p.job.async_tp for p in plans if p.job.tp == 1)

@@ -422,8 +422,10 @@ def search(base: TrainJob, rank_by: str = "time", limit: int = 10) -> tuple[list
             for zero in (0, 1, 2, 3):
                 for ac in acs:
                     for mb in (1, 2, 4, 8, 16):
+                        # async TP (asked for) applies where there is TP, and needs sequence parallelism
+                        sp = tp > 1 and (arch.family == "gpt" or base.sequence_parallel or base.async_tp)
                         job = replace(base, tp=tp, pp=pp, dp=None, zero=zero, ac=ac, micro_batch=mb,
-                                      sequence_parallel=tp > 1 and arch.family == "gpt")
+                                      sequence_parallel=sp, async_tp=base.async_tp and tp > 1)
                         tried += 1
                         try:
                             p = plan_train(job)
