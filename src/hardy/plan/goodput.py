@@ -96,7 +96,9 @@ def restart_goodput(fleet: Fleet, rec: Recovery, events: list[tuple[float, bool]
     useful, start = 0.0, 0.0  # start: when the job last began computing after a recovery
     for t, _ in events + [(end, False)]:
         window = t - start
-        if window > 0:
+        if window > 0 and cycle == 0:  # free checkpoints (no stall) commit every moment's work
+            useful += window
+        elif window > 0:
             done = math.floor(window / cycle)
             useful += done * interval  # committed by checkpoints
             if t == end:  # the job ends here: the work since its last checkpoint counts
