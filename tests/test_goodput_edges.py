@@ -77,6 +77,8 @@ def test_free_checkpoints_lose_only_the_restarts():
     rec = Recovery(restart_s=600.0, checkpoint_stall_s=0)
     assert restart_goodput(HOURLY, rec, []) == pytest.approx(1.0)
     assert restart_goodput(HOURLY, rec, [(1000.0, True), (50000.0, False)]) == pytest.approx(1 - 1200 / DAY)
+    # a fault half a second after a restart: that half second counts too
+    assert restart_goodput(HOURLY, rec, [(1000.0, True), (1600.5, False)]) == pytest.approx(1 - 1200 / DAY)
     result = simulate(Fleet(gpus=256), rec, ["restart"], trials=2)  # used to divide by zero
     assert 0 < result["strategies"]["restart"]["mean"] <= 1
 
