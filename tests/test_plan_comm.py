@@ -35,13 +35,15 @@ def test_catalogue_gpus_run_attention_at_their_cited_flash_figure_and_projection
     assert layer_seconds(arch, H100, s)["gemm"] == pytest.approx(expected)
 
 
-def test_a_bad_attention_efficiency_in_a_catalogue_is_a_one_line_error(tmp_path):
-    text = CATALOGUE.read_text().replace("attention_efficiency = 0.35", "attention_efficiency = 35", 1)
-    bad = tmp_path / "catalogue.toml"
-    bad.write_text(text)
-    with pytest.raises(HardyError, match=r"\[h100-sxm\]: bad or missing field \(attention_efficiency must be in "
-                                         r"\(0, 1\], got 35.0\)"):
-        load_catalogue(bad)
+@pytest.mark.parametrize("field, good, bad", [("attention_efficiency", "0.35", "35.0"),
+                                              ("best_gemm_efficiency_fp8", "0.709", "70.9")])
+def test_a_catalogue_fraction_outside_0_1_is_a_one_line_error(tmp_path, field, good, bad):
+    text = CATALOGUE.read_text().replace(f"{field} = {good}", f"{field} = {bad}", 1)
+    path = tmp_path / "catalogue.toml"
+    path.write_text(text)
+    with pytest.raises(HardyError, match=rf"\[h100-sxm\]: bad or missing field \({field} must be in "
+                                         rf"\(0, 1\], got {bad}\)"):
+        load_catalogue(path)
 
 
 def test_gradients_reduce_in_fp32_by_default_and_bf16_halves_their_bytes():
