@@ -50,9 +50,15 @@ def test_zero_stages_shard_states_and_leave_nothing_on_the_host(zero, weights, g
 
 
 def test_optimizer_offload_puts_exactly_the_optimizer_and_gradients_on_the_host():
-    # fp32, ZeRO-1, d = 4: gradients stay whole (4 GB), optimizer sharded (8 GB / 4 = 2 GB)
+    # fp32, ZeRO-1, d = 4: the host holds this rank's partitions, optimizer 8 GB / 4 and fp32 gradients
+    # 4 GB / 4 (DeepSpeed's offloading optimizer partitions them at stage 1 as at stage 2)
     states = model_state_bytes(PSI, 1, 4, "fp32", offload="optimizer")
-    assert states == {"weights": 4 * GB, "gradients": 0.0, "optimizer": 0.0, "host": 6 * GB}
+    assert states == {"weights": 4 * GB, "gradients": 0.0, "optimizer": 0.0, "host": 3 * GB}
+    # bf16 with master weights: the host's gradient copy is fp32 (4 B), not the run's 2; without master
+    # weights it stays 16-bit
+    assert model_state_bytes(PSI, 2, 4, "bf16", offload="optimizer")["host"] == pytest.approx((12 + 4) * GB / 4)
+    assert model_state_bytes(PSI, 2, 4, "bf16", offload="optimizer", master_weights=False)["host"] == \
+        pytest.approx((4 + 2) * GB / 4)
 
 
 def test_parameter_offload_puts_every_zero3_shard_on_the_host():

@@ -44,7 +44,10 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
     this model-parallel rank, sharded over `dp` ranks by ZeRO stage `zero` (3 = FSDP full shard).
 
     offload "optimizer" keeps optimizer states (and, as ZeRO-Offload does, fp32 gradients) in host
-    memory; "params" also the weights (ZeRO-3 only). Host bytes are returned under "host".
+    memory; "params" also the weights (ZeRO-3 only). Host bytes are returned under "host". DeepSpeed's
+    offloading optimizer (stages 1 and 2 alike) keeps each rank's partition of the gradients in fp32 on
+    the host for the CPU Adam step: 4 bytes per parameter of the shard (the run's own 16 bits without
+    master weights).
     """
     if zero not in (0, 1, 2, 3):
         raise HardyError(f"ZeRO stage must be 0, 1, 2 or 3 (got {zero})")
@@ -57,7 +60,8 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
     weights, grads, optim = w * params / shard[0], g * params / shard[1], o * params / shard[2]
     host = 0.0
     if offload in ("optimizer", "params"):
-        host += optim + grads
+        host_grad_bytes = 4 if master_weights or precision == "fp32" else g
+        host += optim + host_grad_bytes * params / (dp if zero >= 1 else 1)
         optim, grads = 0.0, 0.0
     if offload == "params":
         host += weights
