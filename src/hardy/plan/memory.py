@@ -60,8 +60,8 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
     weights, grads, optim = w * params / shard[0], g * params / shard[1], o * params / shard[2]
     host = 0.0
     if offload in ("optimizer", "params"):
-        host_grad_bytes = 4 if master_weights or precision == "fp32" else g
-        host += optim + host_grad_bytes * params / (dp if zero >= 1 else 1)
+        # the gradient partition matches the optimizer's; fp32 runs' g is already 4
+        host += optim + (4 if master_weights else g) * params / shard[2]
         optim, grads = 0.0, 0.0
     if offload == "params":
         host += weights
