@@ -66,6 +66,11 @@ def register_train(group) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--compile", action="store_true", help="each block torch.compile'd (as torchtitan applies it): "
                    "its norms, RoPE, SwiGLU and residuals fused (Llama-family models)")
+    p.add_argument("--loss", choices=["chunked", "full", "compiled"], default=None,
+                   help="a Llama model's loss: chunked (hardy's fused linear cross-entropy, the default), full "
+                        "(the logits materialized and the cross-entropy taken over their fp32 copy, as torchtitan "
+                        "and transformers do) or compiled (that loss torch.compile'd, as torchtitan's --compile "
+                        "does since 2025); GPT-style models keep fp32 logits")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the GEMMs they feed "
                    "(torchtitan's async TP, Megatron's TP communication overlap); needs --sp")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved", "zb-h1"],
@@ -109,7 +114,7 @@ def _job(args, hw, arch):
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         master_weights=args.master_weights, reduce_dtype=args.reduce_dtype,
                         offload=args.offload, sequence_parallel=args.sp, async_tp=args.async_tp,
-                        compile=args.compile, schedule=args.schedule,
+                        compile=args.compile, loss=args.loss, schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 
 
@@ -312,7 +317,26 @@ def gpu_runs_text(runs: dict, render) -> str:
                              [[r["source"], r["case"], f"{r['predicted_peak_bytes'] / 1e9:,.1f} GB",
                                f"{r['device_bytes'] / 1e9:,.0f} GB",
                                "fits (WRONG)" if r["predicted_to_fit"] else "does not fit"] for r in oom])]
+    memory = runs.get("memory") or {}
+    if memory.get("runs"):
+        lines += ["", memory_text(memory, render)]
     return "\n".join(lines)
+
+
+def memory_text(memory: dict, render) -> str:
+    """Published peak memory (reserved by the caching allocator) against the planner's live tensors."""
+    def gib(x: float) -> str:
+        return f"{x / (1 << 30):.1f} GiB"
+
+    frag, top = 100 * memory["allocator_fragmentation"], 100 * memory["allocator_fragmentation_max"]
+    table = render(["source", "run", "published reserved", "hardy allocated", f"hardy reserved (+{frag:.0f}%)",
+                    "error", f"reserved/allocated in 1-{1 / (1 - top / 100):.2f}"],
+                   [[r["source"], r["case"], gib(r["published_reserved_bytes"]), gib(r["predicted_allocated_bytes"]),
+                     gib(r["predicted_reserved_bytes"]), f"{100 * r['error']:+.1f}%",
+                     "yes" if r["in_cited_range"] else "NO"] for r in memory["runs"]])
+    return (f"{table}\nmemory: MAPE {100 * memory['mape']:.1f}%, mean error {100 * memory['mean_error']:+.1f}% over "
+            f"{len(memory['runs'])} runs; {memory['in_cited_range']} in the allocator's cited range (fragmentation "
+            f"{frag:.0f}% of reserved on average, up to {top:.0f}%: GMLake, arXiv 2401.08156)")
 
 
 def register_hardware(group) -> None:

@@ -28,6 +28,13 @@ class CompiledTraffic:
 
 def compiled_layer_traffic(block: torch.nn.Module, x: torch.Tensor, rope: Rotary) -> CompiledTraffic:
     """What the kernels of one compiled forward + backward of `block` move, and how many there are."""
+    block.zero_grad(set_to_none=True)
+    return compiled_traffic(block, x, rope)
+
+
+def compiled_traffic(fn, x: torch.Tensor, *args) -> CompiledTraffic:
+    """What the kernels of one compiled forward + backward of `fn(x, *args)` (its output summed) move, and
+    how many there are: a block, or a loss over logits `x`."""
     log = compile_fx.inductor_metrics_log  # inductor counts bytes per fused kernel only while it is enabled
     level, propagate = log.level, log.propagate
     quiet = logging.NullHandler()
@@ -38,10 +45,9 @@ def compiled_layer_traffic(block: torch.nn.Module, x: torch.Tensor, rope: Rotary
     torch._dynamo.reset()
     try:
         x = x.detach().requires_grad_(True)
-        block.zero_grad(set_to_none=True)
         # a cached graph is not generated again, and only generation counts
         with config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-            torch.compile(block)(x, rope).sum().backward()
+            torch.compile(fn)(x, *args).sum().backward()
         nodes = list(metrics.nodes_num_elem)
     finally:
         log.removeHandler(quiet)
@@ -49,7 +55,7 @@ def compiled_layer_traffic(block: torch.nn.Module, x: torch.Tensor, rope: Rotary
         log.propagate = propagate
         torch._dynamo.reset()
     if not nodes:
-        raise HardyError("inductor reported no kernels for the compiled block")
+        raise HardyError("inductor reported no kernels for the compiled function")
     fused = [node for node, _ in nodes if not isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode))]
     return CompiledTraffic(bytes=sum(node.get_read_write_buffers_sizes() for node in fused),
                            kernels=sum(not isinstance(node, NopKernelSchedulerNode) for node, _ in nodes))

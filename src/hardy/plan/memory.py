@@ -30,6 +30,12 @@ STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 NO_MASTER_STATE_BYTES = (2, 2, 4)  # 16-bit weights and gradients, AdamW's m and v in 16 bits too
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full", "selective_op")
+# A Llama model's loss: "chunked" is hardy's fused linear cross-entropy (no whole logits tensor);
+# "full" materializes the logits and takes the cross-entropy over their fp32 copy, as torchtitan
+# (`cross_entropy(pred.flatten(0, 1).float(), labels)`) and transformers do; "compiled" is that loss
+# torch.compile'd (torchtitan with --compile since 2025): inductor saves the 16-bit logits and two fp32
+# values per token, and makes no fp32 copy.
+LOSSES = ("chunked", "full", "compiled")
 
 
 def state_bytes(precision: str, master_weights: bool = True) -> tuple[int, int, int]:
@@ -80,6 +86,7 @@ class ActivationSetup:
     # A dropout mask is 1 byte on GPUs (fused kernel, bool mask); PyTorch's CPU dropout keeps a mask of
     # the activation dtype (measured: autograd saves it).
     cpu: bool = False
+    loss: str = "chunked"  # a Llama model's loss (LOSSES); GPT-style models keep fp32 logits either way
 
 
 def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None = None) -> float:
@@ -138,12 +145,25 @@ def output_activation_bytes(arch: Arch, a: ActivationSetup) -> OutputActivations
     token) and d(loss)/d(head weight) (fp32, V·h), plus the final RMSNorm's input and normalized
     values (2h) and 1/rms per token: its output is not kept, the loss keeping gradients instead;
     its chunk logits (≤ 2^24 fp32 values, twice: logits and log-softmax) exist only while the loss
-    is computed. GPT-style (Megatron): final LayerNorm input and fp32 logits, split by TP, kept.
+    is computed. `loss="full"` (torchtitan's and transformers' loss): the whole logits tensor, its
+    fp32 copy and log_softmax's fp32 output instead; `loss="compiled"`: that loss compiled, which keeps
+    the 16-bit logits and makes their gradient. GPT-style (Megatron): final LayerNorm input and
+    fp32 logits, split by TP, kept.
     """
     tokens, e, t = a.seq * a.micro_batch, ACT_BYTES[a.precision], a.tp
     if arch.family == "gpt":
         return OutputActivations(tokens * arch.dim * e / (t if a.sequence_parallel else 1)
                                  + 4 * tokens * arch.vocab_size / t, 0.0)
+    final_norm = tokens * (3 * arch.dim * e + 4) / (t if a.sequence_parallel else 1)
+    if a.loss == "full":
+        # the backward needs log_softmax's fp32 output (4 B per logit, split by TP's vocabulary-parallel
+        # loss). Transient, beyond it: in the forward the 16-bit logits and their fp32 copy (e + 4 B); in
+        # the backward nll_loss's fp32 gradient and log_softmax's (8 B), the larger
+        logits = tokens * arch.vocab_size / t
+        return OutputActivations(final_norm + 4 * logits, max(e + 4, 8) * logits)
+    if a.loss == "compiled":  # kept: the logits (and 8 B per token); transient: their gradient
+        logits = tokens * arch.vocab_size / t
+        return OutputActivations(final_norm + e * logits + 8 * tokens / t, e * logits)
     # the loss's chunks (hardy.model.loss): as equal as can be, each at most 2^24 logits
     per_chunk = max(1, (1 << 24) // arch.vocab_size)
     chunk_rows = -(-tokens // -(-tokens // per_chunk))

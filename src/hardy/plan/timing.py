@@ -76,6 +76,7 @@ class StepSetup:
     reduce_dtype: str = "fp32"  # the gradients' data-parallel reduction (fp32 or bf16)
     async_tp: bool = False  # sequence parallel's collectives overlapped with their GEMMs (needs it)
     compiled: bool = False  # each Llama block torch.compile'd: its elementwise operators fused
+    loss: str = "chunked"  # a Llama model's loss: hardy's fused chunked one, "full" fp32 logits, "compiled"
 
     @property
     def dp_shard(self) -> int:
@@ -124,6 +125,12 @@ LLAMA_COMPILED_KERNELS_PER_LAYER = 47
 # Around the layers, per token: embedding lookup, final norm, the fused loss over the vocabulary;
 # per micro-batch: the embedding gradient (zeroed, scattered into, added to the tied head's).
 LLAMA_MODEL_ELEMENTS = {"h": 37, "v": 8, "vh_per_microbatch": 10}
+# Bytes per logit of torchtitan's loss, cross_entropy over the logits' fp32 copy, forward + backward:
+# the copy, log_softmax, nll_loss and their gradients back to the 16-bit logits, counted with
+# `ElementwiseTraffic` (tests/test_plan_loss.py recounts it). It replaces the fused loss's v·e.
+# Compiled, inductor's kernels read the logits in the forward and read them and write their gradient in
+# the backward (`hardy.ops.compiled_traffic`, recounted by the same test).
+LOSS_BYTES_PER_LOGIT = {"full": 44, "compiled": 8}
 
 
 def layer_elementwise_bytes(arch: Arch, s: StepSetup, scores_only: bool = False) -> float:
@@ -158,9 +165,10 @@ def model_elementwise_bytes(arch: Arch, s: StepSetup) -> float:
     vocabulary, embedding and final norm."""
     tokens = s.tokens
     if arch.family == "llama":
-        c = LLAMA_MODEL_ELEMENTS
-        return ((c["h"] * arch.dim + c["v"] * arch.vocab_size / s.tp) * tokens
-                + c["vh_per_microbatch"] * arch.vocab_size * arch.dim / s.tp) * ACT_BYTES[s.precision]
+        c, e = LLAMA_MODEL_ELEMENTS, ACT_BYTES[s.precision]
+        per_logit = LOSS_BYTES_PER_LOGIT.get(s.loss, c["v"] * e)
+        return (c["h"] * arch.dim * e * tokens + per_logit * arch.vocab_size / s.tp * tokens
+                + c["vh_per_microbatch"] * arch.vocab_size * arch.dim / s.tp * e)
     return 3 * 2 * tokens * arch.vocab_size * 4 / s.tp  # fp32 logits: softmax forward and backward
 
 

@@ -11,7 +11,7 @@ from hardy.fault.policy import DEFAULT_DEVICE_MTBF_HOURS, daly_interval, expecte
 from hardy.parallel.dims import ParallelDims
 from hardy.plan.arch import Arch
 from hardy.plan.hardware import Hardware
-from hardy.plan.memory import (ACT_BYTES, STATE_BYTES, ActivationSetup, layer_activation_bytes,
+from hardy.plan.memory import (ACT_BYTES, LOSSES, STATE_BYTES, ActivationSetup, layer_activation_bytes,
                                model_state_bytes, output_activation_bytes, state_bytes)
 from hardy.plan.timing import StepSetup, StepTime, compute_dtype, step_time
 
@@ -46,6 +46,7 @@ class TrainJob:
     # --tp-comm-overlap): both need sequence parallelism
     async_tp: bool = False
     compile: bool = False  # torch.compile per block (torchtitan's): the block's elementwise work fused
+    loss: str | None = None  # Llama: "chunked" (hardy's fused loss, the default), "full" (fp32 logits), "compiled"
     schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1
     virtual_stages: int = 1
     # reliability
@@ -136,7 +137,7 @@ class TrainPlan:
                              "precision": self.job.precision, "master_weights": self.job.master_weights,
                              "reduce_dtype": self.job.reduce_dtype,
                              "sequence_parallel": self.job.sequence_parallel, "async_tp": self.job.async_tp,
-                             "compile": self.job.compile,
+                             "compile": self.job.compile, "loss": loss_kind(self.job),
                              "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
                 "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
                 "device_memory_bytes": self.job.hw.memory_bytes,
@@ -226,6 +227,11 @@ def check_job(job: TrainJob) -> Layout:
     if job.compile and arch.family != "llama":
         raise HardyError(f"--compile is modelled for Llama-family models (the fused traffic is counted on hardy's "
                          f"compiled Llama block); {arch.name} is a {arch.family} model")
+    if job.loss not in (None, *LOSSES):
+        raise HardyError(f"--loss must be {', '.join(LOSSES)} (got {job.loss!r})")
+    if job.loss == "chunked" and arch.family != "llama":
+        raise HardyError(f"--loss chunked is hardy's fused loss for Llama-family models; {arch.name} is a "
+                         f"{arch.family} model, whose loss keeps its fp32 logits (Megatron's)")
     if job.schedule not in ("1f1b", "interleaved", "zb-h1"):
         raise HardyError(f"schedule must be 1f1b, interleaved or zb-h1 (got {job.schedule!r})")
     v = job.virtual_stages if job.schedule == "interleaved" else 1
@@ -269,12 +275,18 @@ def check_job(job: TrainJob) -> Layout:
     return Layout(dp, shard_dp, dims, int(m), recompute, fraction, v)
 
 
+def loss_kind(job: TrainJob) -> str:
+    """The loss the plan models: hardy's fused chunked loss for Llama unless asked otherwise; GPT-style
+    models keep fp32 logits."""
+    return job.loss or ("chunked" if job.arch.family == "llama" else "full")
+
+
 def activation_bytes(job: TrainJob, lay: Layout) -> Stages:
     """Activation bytes held at the peak by the first and by the last pipeline stage."""
     arch = job.arch
     act = ActivationSetup(seq=job.seq // job.cp, micro_batch=job.micro_batch, tp=job.tp,
                           sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision,
-                          cpu=job.hw.kind == "cpu")
+                          cpu=job.hw.kind == "cpu", loss=loss_kind(job))
     layers = -(-arch.n_layers // job.pp)
     full_layer = layer_activation_bytes(arch, act, "none")
     if lay.recompute == "none":
@@ -358,7 +370,7 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
                                          cp=job.cp, fp8=job.fp8, master_weights=job.master_weights,
                                          reduce_dtype=job.reduce_dtype, async_tp=job.async_tp,
-                                         compiled=job.compile, schedule=job.schedule),
+                                         compiled=job.compile, schedule=job.schedule, loss=loss_kind(job)),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
