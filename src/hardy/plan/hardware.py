@@ -218,10 +218,12 @@ class Hardware:
             decode_bandwidth_by_width=tuple((w, r * share) for w, r in self.decode_bandwidth_by_width))
 
 
-def _link(data: dict, where: str) -> Link:
+def _link(data: dict, where: str, field: str) -> Link:
+    """One [NAME.intra_node] / [NAME.inter_node] table; `field` names it in errors."""
     try:
-        return Link(name=str(data["name"]), bandwidth=float(data["bandwidth_gbs"]) * 1e9,
-                    latency=float(data["latency_us"]) * 1e-6, efficiency=float(data.get("efficiency", 0.8)))
+        return Link(name=str(data["name"]), bandwidth=_positive(data["bandwidth_gbs"], f"{field}.bandwidth_gbs") * 1e9,
+                    latency=float(data["latency_us"]) * 1e-6,
+                    efficiency=_fraction(data.get("efficiency", 0.8), f"{field}.efficiency"))
     except (KeyError, TypeError, ValueError) as e:
         raise HardyError(f"{where}: bad link entry ({e})") from None
 
@@ -229,16 +231,19 @@ def _link(data: dict, where: str) -> Link:
 def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardware:
     """One catalogue table → Hardware (units in the file: TFLOP/s, GB, GB/s, µs, USD/h)."""
     try:
-        peak = {k: float(v) * 1e12 for k, v in data["peak_tflops"].items()}
+        peak = {k: _positive(v, f"peak_tflops.{k}") * 1e12 for k, v in data["peak_tflops"].items()}
         unknown = sorted(set(peak) - set(PRECISIONS))
         if unknown:
             raise ValueError(f"unknown dtype(s) {', '.join(unknown)}")
         return Hardware(
             name=name, kind=str(data["kind"]), description=str(data.get("description", "")), peak_flops=peak,
-            memory_bytes=float(data["memory_gb"]) * 1e9, memory_bandwidth=float(data["bandwidth_gbs"]) * 1e9,
-            flops_efficiency=float(data["flops_efficiency"]), bandwidth_efficiency=float(data["bandwidth_efficiency"]),
-            devices_per_node=int(data["devices_per_node"]), intra_node=_link(data["intra_node"], f"{where} [{name}]"),
-            inter_node=_link(data["inter_node"], f"{where} [{name}]"),
+            memory_bytes=_positive(data["memory_gb"], "memory_gb") * 1e9,
+            memory_bandwidth=_positive(data["bandwidth_gbs"], "bandwidth_gbs") * 1e9,
+            flops_efficiency=_fraction(data["flops_efficiency"], "flops_efficiency"),
+            bandwidth_efficiency=_fraction(data["bandwidth_efficiency"], "bandwidth_efficiency"),
+            devices_per_node=_count(data["devices_per_node"], "devices_per_node"),
+            intra_node=_link(data["intra_node"], f"{where} [{name}]", "intra_node"),
+            inter_node=_link(data["inter_node"], f"{where} [{name}]", "inter_node"),
             disk_write_bandwidth=float(data.get("disk_write_gbs", 2.0)) * 1e9,
             price_per_device_hour=None if data.get("price_per_device_hour") is None
             else float(data["price_per_device_hour"]),
@@ -250,8 +255,7 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
             calibrated_on=tuple((str(k), str(v)) for k, v in data.get("calibrated_on", {}).items()),
             tdp_w=None if data.get("tdp_w") is None else float(data["tdp_w"]),
             power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]),
-            best_gemm_efficiency=None if data.get("best_gemm_efficiency") is None
-            else float(data["best_gemm_efficiency"]),
+            best_gemm_efficiency=_fraction(data.get("best_gemm_efficiency"), "best_gemm_efficiency"),
             attention_efficiency=_fraction(data.get("attention_efficiency"), "attention_efficiency"),
             best_gemm_efficiency_fp8=_fraction(data.get("best_gemm_efficiency_fp8"), "best_gemm_efficiency_fp8"))
     except HardyError:
@@ -260,12 +264,35 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
         raise HardyError(f"{where} [{name}]: bad or missing field ({e})") from None
 
 
+def _number(value, field: str, what: str) -> float:
+    """A catalogue number: an int or float of the TOML file (not a string, not true/false)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field} must be {what}, got {value!r}")
+    return float(value)
+
+
 def _fraction(value, field: str) -> float | None:
+    """An efficiency factor: a fraction of a peak, in (0, 1] (NaN is not). None stays None (not given)."""
     if value is None:
         return None
-    value = float(value)
+    value = _number(value, field, "a number in (0, 1]")
     if not 0 < value <= 1:
         raise ValueError(f"{field} must be in (0, 1], got {value}")
+    return value
+
+
+def _positive(value, field: str) -> float:
+    """A peak rate or a size: a finite number above 0."""
+    value = _number(value, field, "a positive number")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{field} must be a positive number, got {value}")
+    return value
+
+
+def _count(value, field: str) -> int:
+    """A whole number of devices, at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field} must be a whole number >= 1, got {value!r}")
     return value
 
 
@@ -299,11 +326,12 @@ def derive_layer_gemm_efficiency(entries: dict, layer_gemm: dict | None, where: 
                          "and [layer_gemm] reference names no entry with both")
     name = ref_name
     try:
-        share = float(ref["flops_efficiency"]) / float(ref["best_gemm_efficiency"])
+        share = (_fraction(ref["flops_efficiency"], "flops_efficiency")
+                 / _fraction(ref["best_gemm_efficiency"], "best_gemm_efficiency"))
         origin = (ref.get("calibrated_on") or {}).get("flops_efficiency")
         for name in derived:
             entry = entries[name]
-            entry["flops_efficiency"] = float(entry["best_gemm_efficiency"]) * share
+            entry["flops_efficiency"] = _fraction(entry["best_gemm_efficiency"], "best_gemm_efficiency") * share
             if origin:
                 entry["calibrated_on"] = {**entry.get("calibrated_on", {}), "flops_efficiency": origin}
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:

@@ -40,7 +40,11 @@ LOSSES = ("chunked", "full", "compiled")
 
 def state_bytes(precision: str, master_weights: bool = True) -> tuple[int, int, int]:
     """Bytes per parameter of weights, gradients and AdamW states; `master_weights` False: a 16-bit run
-    that keeps no fp32 copy."""
+    that keeps no fp32 copy. fp8 training (`plan train --fp8`) runs its linears in fp8 inside a bf16 model
+    and keeps bf16 states: its callers pass "bf16"."""
+    if precision not in STATE_BYTES:
+        raise HardyError(f"no model-state sizes for precision {precision!r} "
+                         f"(known: {', '.join(STATE_BYTES)}; fp8 training keeps bf16 states)")
     return STATE_BYTES[precision] if master_weights or precision == "fp32" else NO_MASTER_STATE_BYTES
 
 
@@ -57,6 +61,8 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
     """
     if zero not in (0, 1, 2, 3):
         raise HardyError(f"ZeRO stage must be 0, 1, 2 or 3 (got {zero})")
+    if dp < 1:
+        raise HardyError(f"model states are sharded over dp >= 1 data-parallel ranks (got dp={dp})")
     if offload not in ("none", "optimizer", "params"):
         raise HardyError(f"offload must be none, optimizer or params (got {offload!r})")
     if offload == "params" and zero != 3:
