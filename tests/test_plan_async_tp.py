@@ -1,7 +1,8 @@
 """Async tensor parallelism in the training planner (`--async-tp`): sequence parallelism's all-gathers and
 reduce-scatters cut into one chunk per TP rank, each chunk's transfer hidden behind the GEMM of the chunk
-before it. Hand-worked on Llama 3 8B's projections (per layer: QKV 4096 x 6144, out 4096 x 4096, gate + up
-4096 x 28672, down 14336 x 4096 weights)."""
+before it, where inductor's micro-pipeline TP pass fuses them (not the backward's reduce-scatters of QKV's
+and gate/up's input gradients, each a sum of matmuls). Hand-worked on Llama 3 8B's projections (per layer:
+QKV 4096 x 6144, out 4096 x 4096, gate + up 4096 x 28672, down 14336 x 4096 weights)."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,33 +40,41 @@ def test_with_no_gemm_to_hide_behind_async_tp_costs_what_sequence_parallel_does(
     assert tp_comm_per_layer(ARCH, SP, link) == pytest.approx(8 * ring_allgather(8192 * 4096 * 2, 8, link))
 
 
-def test_a_transfer_shorter_than_every_chunks_gemm_is_hidden_entirely():
+def test_a_transfer_shorter_than_every_chunks_gemm_is_hidden_entirely_where_the_pass_fuses_it():
+    """Every fused collective hides; the backward's two unfused reduce-scatters (QKV's and gate/up's input
+    gradients) stay whole: 2 of the layer's 8 collectives."""
     rate = 400e12
     link = link_with_step(0.99 * chunk_seconds(OUT_PROJ, rate))
-    assert tp_comm_per_layer(ARCH, ASYNC, link, rate) == 0.0
+    assert tp_comm_per_layer(ARCH, ASYNC, link, rate) == pytest.approx(2 * 7 * 0.99 * chunk_seconds(OUT_PROJ, rate))
     assert tp_comm_per_layer(ARCH, SP, link) == pytest.approx(8 * 7 * 0.99 * chunk_seconds(OUT_PROJ, rate))
 
 
 def test_only_the_transfers_that_outlast_their_chunks_gemm_show():
     """A chunk's transfer 1.25 times the out projection's chunk GEMM: shorter than QKV's (1.5 times it) and
-    the MLP's, so only the out projection's collective shows, 0.25 of a chunk GEMM for each of its 7 steps,
-    in the forward (its reduce-scatter) and the backward (its input gradient's all-gather)."""
+    the MLP's, so of the fused collectives only the out projection's show, 0.25 of a chunk GEMM for each of
+    their 7 steps, in the forward (its reduce-scatter) and the backward (its output gradient's all-gather);
+    the backward's two unfused reduce-scatters show whole (7 x 1.25 each)."""
     rate = 400e12
     out = chunk_seconds(OUT_PROJ, rate)
     assert chunk_seconds(4096 * 6144, rate) == pytest.approx(1.5 * out)
     link = link_with_step(1.25 * out)
-    assert tp_comm_per_layer(ARCH, ASYNC, link, rate) == pytest.approx(2 * 7 * 0.25 * out)
-    # full recompute runs the forward's four collectives again: half as many more
+    unfused = 2 * 7 * 1.25 * out
+    assert tp_comm_per_layer(ARCH, ASYNC, link, rate) == pytest.approx(2 * 7 * 0.25 * out + unfused)
+    # full recompute replays the forward's four collectives, fused as in the forward: the out projection's shows
     full = dataclasses.replace(ASYNC, recompute="full")
-    assert tp_comm_per_layer(ARCH, full, link, rate) == pytest.approx(1.5 * 2 * 7 * 0.25 * out)
-    # twice the link: every transfer hides
-    assert async_tp_exposed(ARCH, ASYNC, 7 * 0.625 * out, 7 * 0.625 * out, rate) == 0.0
+    assert tp_comm_per_layer(ARCH, full, link, rate) == pytest.approx(3 * 7 * 0.25 * out + unfused)
+    # op-level recompute replays only the two all-gathers (its policy saves the reduce-scatters): both hide here
+    op_level = dataclasses.replace(ASYNC, recompute="selective_op")
+    assert tp_comm_per_layer(ARCH, op_level, link, rate) == pytest.approx(2 * 7 * 0.25 * out + unfused)
+    # twice the link: every fused transfer hides, the unfused two halve
+    assert async_tp_exposed(ARCH, ASYNC, 7 * 0.625 * out, 7 * 0.625 * out, rate) == pytest.approx(unfused / 2)
 
 
 def test_fp8_tensorwise_gathers_in_fp8_and_scatters_in_bf16():
     """torchao's float8 TP: the all-gathers carry fp8 (1 byte), the reduce-scatters bf16. Synchronous: a layer's
     4 of each cost 4 half-size gathers + 4 scatters; async, at a chunk transfer 1.25 times the out projection's
-    chunk GEMM, the gathers (0.625 of it) all hide and only the out projection's scatter shows."""
+    chunk GEMM, the gathers (0.625 of it) all hide, the out projection's forward scatter shows 0.25 of a chunk
+    GEMM per step, and the backward's two unfused scatters show whole."""
     link = get_hardware("h100-sxm").intra_node
     fp8 = dataclasses.replace(SP, fp8="tensorwise")
     nbytes = 8192 * 4096 * 2
@@ -75,7 +84,26 @@ def test_fp8_tensorwise_gathers_in_fp8_and_scatters_in_bf16():
     rate = 400e12
     out = chunk_seconds(OUT_PROJ, rate)
     async_fp8 = dataclasses.replace(ASYNC, fp8="tensorwise")
-    assert tp_comm_per_layer(ARCH, async_fp8, link_with_step(1.25 * out), rate) == pytest.approx(7 * 0.25 * out)
+    assert tp_comm_per_layer(ARCH, async_fp8, link_with_step(1.25 * out), rate) == pytest.approx(
+        7 * 0.25 * out + 2 * 7 * 1.25 * out)
+
+
+def test_op_level_recompute_replays_the_all_gathers_and_not_the_reduce_scatters():
+    """torchtitan's op-level policy saves reduce-scatter outputs but not all-gathers' or all-reduces': its
+    backward replays the forward's two all-gathers (with SP) or two all-reduces (without); full recompute
+    replays all four; hardy's selective policy none."""
+    from hardy.plan.timing import ring_allreduce
+    link = get_hardware("h100-sxm").intra_node
+    nbytes = 8192 * 4096 * 2
+    gather, allreduce = ring_allgather(nbytes, 8, link), ring_allreduce(nbytes, 8, link)
+    op_level = dataclasses.replace(SP, recompute="selective_op")
+    assert tp_comm_per_layer(ARCH, op_level, link) == pytest.approx((6 + 4) * gather)
+    assert tp_comm_per_layer(ARCH, dataclasses.replace(op_level, recompute_fraction=0.5), link) == pytest.approx(
+        (5 + 4) * gather)
+    assert tp_comm_per_layer(ARCH, dataclasses.replace(SP, recompute="full"), link) == pytest.approx(12 * gather)
+    assert tp_comm_per_layer(ARCH, dataclasses.replace(SP, recompute="selective"), link) == pytest.approx(8 * gather)
+    no_sp = dataclasses.replace(op_level, sequence_parallel=False)
+    assert tp_comm_per_layer(ARCH, no_sp, link) == pytest.approx(6 * allreduce)
 
 
 def plan(**kw):
@@ -87,8 +115,9 @@ def plan(**kw):
 def test_async_tp_takes_the_hidden_tp_time_out_of_the_step():
     """8-way TP on NVLink: the gate + up projection's chunk GEMM outlasts its transfer, the other three do
     not (a transfer takes dim x 2 / NVLink's rate, a chunk's GEMM 2 x weights / tp / the GEMM rate, both per
-    token). The step loses the hidden part; its GEMMs stay; DDP's reduction, hidden behind a shorter last
-    backward, shows more."""
+    token). Forward: QKV's gather, out's and down's scatters show their excess; backward: out's and down's
+    gathers their excess, and the two unfused scatters whole. The step loses the hidden part; its GEMMs stay;
+    DDP's reduction, hidden behind a shorter last backward, shows more."""
     hw = get_hardware("h100-sxm")
     rate = hw.gemm_rate("bf16", ARCH.dim)
     link = hw.intra_node
@@ -96,8 +125,10 @@ def test_async_tp_takes_the_hidden_tp_time_out_of_the_step():
     assert chunk_seconds(4096 * 28672, rate) > step > chunk_seconds(14336 * 4096, rate)
     sync, overlapped = plan().step, plan(async_tp=True).step
     hidden = 1 - tp_comm_per_layer(ARCH, ASYNC, link, rate) / tp_comm_per_layer(ARCH, SP, link)
-    exposed = [step - chunk_seconds(w, rate) for w in (OUT_PROJ, 4096 * 6144, 14336 * 4096)]
-    assert hidden == pytest.approx(1 - 2 * 7 * sum(exposed) / (8 * 7 * step))
+    excess = {w: step - chunk_seconds(w, rate) for w in (OUT_PROJ, 4096 * 6144, 14336 * 4096)}
+    forward = excess[4096 * 6144] + excess[OUT_PROJ] + excess[14336 * 4096]
+    backward = excess[OUT_PROJ] + excess[14336 * 4096] + 2 * step
+    assert hidden == pytest.approx(1 - (forward + backward) / (8 * step))
     assert overlapped.tp_comm_s == pytest.approx((1 - hidden) * sync.tp_comm_s)
     assert overlapped.compute_s == sync.compute_s and overlapped.elementwise_s == sync.elementwise_s
     assert overlapped.dp_comm_s > sync.dp_comm_s

@@ -72,7 +72,7 @@ def register_train(group) -> None:
                         "and transformers do) or compiled (that loss torch.compile'd, as torchtitan's --compile "
                         "does since 2025); GPT-style models keep fp32 logits")
     p.add_argument("--async-tp", action="store_true", help="TP's collectives overlapped with the GEMMs they feed "
-                   "(torchtitan's async TP, Megatron's TP communication overlap); needs --sp")
+                   "(torchtitan's async TP: inductor's micro-pipeline TP); needs --sp")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved", "zb-h1"],
                    help="pipeline schedule: 1F1B, interleaved 1F1B (--virtual-stages), or ZB-H1 (zero bubble at "
                         "1F1B's memory: weight gradients deferred into the bubble)")

@@ -178,13 +178,17 @@ def tp_comm_per_layer(arch: Arch, s: StepSetup, link: Link, gemm_rate: float = 0
     if s.tp <= 1:
         return 0.0
     nbytes = s.tokens * arch.dim * ACT_BYTES[s.precision]
-    count = 4 + (2 * s.recompute_fraction if s.recompute == "full" else 0)
+    # Forward and backward run two collectives of each kind per layer. Recompute replays the forward's:
+    # full recompute all of them; torchtitan's op-level policy saves the reduce-scatters' outputs (its
+    # save list) but not the all-gathers' or all-reduces', which run again.
+    replayed = 2 * s.recompute_fraction if s.recompute in ("full", "selective_op") else 0.0
+    gathers, scatters = 4 + replayed, 4 + (replayed if s.recompute == "full" else 0.0)
     if not s.sequence_parallel:
-        return count * ring_allreduce(nbytes, s.tp, link)
+        return gathers * ring_allreduce(nbytes, s.tp, link)
     gather, scatter = ring_allgather(nbytes * tp_gather_scale(s), s.tp, link), ring_allgather(nbytes, s.tp, link)
     if s.async_tp:
-        return async_tp_exposed(arch, s, gather, scatter, gemm_rate) * count / 4
-    return count * (gather + scatter)
+        return async_tp_exposed(arch, s, gather, scatter, gemm_rate)
+    return gathers * gather + scatters * scatter
 
 
 def tp_gather_scale(s: StepSetup) -> float:
@@ -195,19 +199,31 @@ def tp_gather_scale(s: StepSetup) -> float:
 
 
 def async_tp_exposed(arch: Arch, s: StepSetup, gather_s: float, scatter_s: float, gemm_rate: float) -> float:
-    """Async TP (torchtitan's micro-pipelined TP, Megatron's TP communication overlap): each of a layer's
-    sequence-parallel collectives is cut into one chunk per TP rank, and the GEMM it feeds (all-gather →
-    QKV and MLP-in projections) or drains (out and MLP-out projections → reduce-scatter) runs on one chunk
-    while the next moves. Of the tp − 1 transfers, each shows only where it outlasts a chunk's GEMM. Each
-    projection meets one all-gather and one reduce-scatter: its forward's, and in the backward the other
-    kind beside its input-gradient GEMM (as large as its forward). The GEMMs cut into tp pieces are assumed
-    to keep their rate."""
+    """Exposed seconds of one layer's sequence-parallel collectives under async TP as torchtitan runs it:
+    inductor's micro-pipeline TP pass (torch/_inductor/fx_passes/micro_pipeline_tp.py) cuts a collective into
+    one chunk per TP rank and runs the GEMM it feeds or drains on one chunk while the next moves, so each of
+    the tp − 1 transfers shows only where it outlasts a chunk's GEMM. The pass fuses an all-gather with the
+    matmuls that take it as their left operand, and a reduce-scatter with the single matmul that produces it:
+    - forward: the all-gathers into QKV and gate/up, and out and down into their reduce-scatters;
+    - backward: out's and down's output gradients all-gathered into their input-gradient GEMMs; QKV's and
+      gate/up's input gradients are sums of several matmuls (q, k and v; gate and up), which the pass does
+      not fuse, so those two reduce-scatters stay whole;
+    - recompute replays the forward's fused collectives (full: all four; op-level: its two all-gathers).
+    The GEMMs cut into tp pieces are assumed to keep their rate."""
     mlp_in = (2 if arch.family == "llama" else 1) * arch.dim * arch.ffn_dim
-    weights = (arch.dim * (arch.q_dim + 2 * arch.kv_dim), arch.q_dim * arch.dim, mlp_in, arch.ffn_dim * arch.dim)
+    qkv, out, up, down = (arch.dim * (arch.q_dim + 2 * arch.kv_dim), arch.q_dim * arch.dim, mlp_in,
+                          arch.ffn_dim * arch.dim)
     t = s.tp
-    chunks = [2 * s.tokens * w / t / t / gemm_rate for w in weights]
-    return sum((t - 1) * max(0.0, collective / (t - 1) - chunk)
-               for chunk in chunks for collective in (gather_s, scatter_s))
+
+    def shows(collective: float, weights: float) -> float:
+        chunk = 2 * s.tokens * weights / t / t / gemm_rate
+        return (t - 1) * max(0.0, collective / (t - 1) - chunk)
+
+    forward_gathers = shows(gather_s, qkv) + shows(gather_s, up)
+    forward = forward_gathers + shows(scatter_s, out) + shows(scatter_s, down)
+    backward = shows(gather_s, out) + shows(gather_s, down) + 2 * scatter_s
+    replayed = {"full": forward, "selective_op": forward_gathers}.get(s.recompute, 0.0) * s.recompute_fraction
+    return forward + backward + replayed
 
 
 def layer_seconds(arch: Arch, hw: Hardware, s: StepSetup) -> dict[str, float]:

@@ -42,8 +42,8 @@ class TrainJob:
     offload: str = "none"  # none | optimizer | params
     precision: str = "bf16"
     sequence_parallel: bool = False
-    # TP's collectives cut into chunks that overlap the GEMMs they feed (torchtitan's async TP, Megatron's
-    # --tp-comm-overlap): both need sequence parallelism
+    # TP's collectives cut into chunks that overlap the GEMMs they feed (torchtitan's async TP, inductor's
+    # micro-pipeline TP pass): it needs sequence parallelism
     async_tp: bool = False
     compile: bool = False  # torch.compile per block (torchtitan's): the block's elementwise work fused
     loss: str | None = None  # Llama: "chunked" (hardy's fused loss, the default), "full" (fp32 logits), "compiled"
