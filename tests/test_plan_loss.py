@@ -127,10 +127,15 @@ def test_loss_on_the_command_line_and_its_refusals():
     default, full = (json.loads(runs[k].stdout) for k in (None, "full"))
     assert (default["parallel"]["loss"], full["parallel"]["loss"]) == ("chunked", "full")
     assert full["memory_bytes"]["activations"] > default["memory_bytes"]["activations"]
-    gpt = hardy_main("plan", "train", "--model", "gpt-22b", "--hardware", "a100-80g", "--devices", "8", "--tp", "8",
-                     "--loss", "chunked")
-    assert gpt.returncode == 2 and gpt.stderr.count("\n") == 1, gpt.stderr
-    assert "--loss chunked is hardy's fused loss for Llama-family models" in gpt.stderr
+    text = hardy_main(*base[:-1], "--loss", "compiled")
+    assert text.returncode == 0 and "compiled loss over the logits" in text.stdout, text.stderr
+    assert "loss over" not in hardy_main(*base[:-1]).stdout  # hardy's own loss is the unnamed default
+    gpt = ["plan", "train", "--model", "gpt-22b", "--hardware", "a100-80g", "--devices", "8", "--tp", "8"]
+    for loss in ("chunked", "compiled"):
+        proc = hardy_main(*gpt, "--loss", loss)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"--loss {loss} is modelled for Llama-family models" in proc.stderr
+    assert hardy_main(*gpt, "--loss", "full").returncode == 0
     bad = hardy_main(*base, "--loss", "fused")
     assert bad.returncode == 2 and "invalid choice: 'fused'" in bad.stderr
     with pytest.raises(HardyError, match="--loss must be chunked, full, compiled"):

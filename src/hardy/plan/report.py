@@ -47,6 +47,10 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 SCHEDULES = {"1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
 
 
+# the losses other than hardy's fused one (`plan train --loss`), as the parallelism line names them
+LOSS_LABELS = {"full": "loss over fp32 logits", "compiled": "compiled loss over the logits"}
+
+
 def train_plan_rows(plan) -> list[tuple[str, str]]:
     j, m, st, r = plan.job, plan.memory, plan.step, plan.reliability
     device_mem = j.hw.memory_bytes
@@ -58,6 +62,7 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
                             + f", gradients reduced in {j.reduce_dtype}"
                             + (", sequence parallel" if j.sequence_parallel else "")
                             + (", async TP" if j.async_tp else "") + (", compiled" if j.compile else "")
+                            + (f", {LOSS_LABELS[j.loss]}" if j.loss in LOSS_LABELS else "")
                             + (f", {SCHEDULES[j.schedule]} schedule" if j.pp > 1 else "")),
             ("batch", f"{j.global_batch_tokens:,} tokens per step (sequences of {j.seq})")]
     for part in MEMORY_PARTS:

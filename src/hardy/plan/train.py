@@ -229,9 +229,9 @@ def check_job(job: TrainJob) -> Layout:
                          f"compiled Llama block); {arch.name} is a {arch.family} model")
     if job.loss not in (None, *LOSSES):
         raise HardyError(f"--loss must be {', '.join(LOSSES)} (got {job.loss!r})")
-    if job.loss == "chunked" and arch.family != "llama":
-        raise HardyError(f"--loss chunked is hardy's fused loss for Llama-family models; {arch.name} is a "
-                         f"{arch.family} model, whose loss keeps its fp32 logits (Megatron's)")
+    if job.loss in ("chunked", "compiled") and arch.family != "llama":
+        raise HardyError(f"--loss {job.loss} is modelled for Llama-family models; {arch.name} is a "
+                         f"{arch.family} model, whose loss keeps its fp32 logits (Megatron's: --loss full)")
     if job.schedule not in ("1f1b", "interleaved", "zb-h1"):
         raise HardyError(f"schedule must be 1f1b, interleaved or zb-h1 (got {job.schedule!r})")
     v = job.virtual_stages if job.schedule == "interleaved" else 1
