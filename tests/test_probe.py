@@ -138,6 +138,16 @@ def test_profile_loads_as_hardware(probe_profile, profile):
     assert "measured" in hw.efficiency_source
     assert dict(describe_hardware(hw))["date"] == hw.date
     assert any(k.startswith("matmul fp32") for k, _ in table(profile))
+    # the fp8 GEMM: measured where torch can run it, planned only where it is not emulated
+    mm = profile["matmul"]
+    fp8, rows = mm["fp8"], dict(table(profile))
+    assert ("fp8" in hw.peak_flops) is mm["fast_fp8"]
+    if "skipped" in fp8:
+        assert not mm["fast_fp8"] and rows["matmul fp8 GFLOP/s"] == f"not measured: {fp8['skipped']}"
+    else:
+        assert fp8["best_flops"] == max(r["flops"] for r in fp8["sizes"]) and max(r["seconds"] for r in fp8["sizes"]) < 2
+        assert mm["fast_fp8"] is (profile["device"] == "cuda" or fp8["best_flops"] >= 0.5 * mm["dtypes"]["fp32"]["best_flops"])
+        assert rows["matmul fp8 GFLOP/s"].startswith("best ") and ("emulated" in rows["matmul fp8 GFLOP/s"]) is not mm["fast_fp8"]
 
 
 def test_matmul_stops_growing_when_the_next_size_would_be_slow():

@@ -38,6 +38,12 @@ def table(profile: dict) -> list[tuple[str, str]]:
     for name, d in mm["dtypes"].items():
         sizes = " ".join(f"{r['size']}:{_g(r['flops'])}" for r in d["sizes"])
         rows.append((f"matmul {name} GFLOP/s", f"best {_g(d['best_flops'])}  (size:GFLOP/s {sizes})"))
+    fp8 = mm.get("fp8")
+    if fp8:
+        sizes = " ".join(f"{r['size']}:{_g(r['flops'])}" for r in fp8.get("sizes", []))
+        rows.append(("matmul fp8 GFLOP/s", f"not measured: {fp8['skipped']}" if "skipped" in fp8 else
+                     f"best {_g(fp8['best_flops'])}  (size:GFLOP/s {sizes}; {fp8['recipe']})"
+                     + ("" if mm.get("fast_fp8") else "; emulated, not planned")))
     rows.append(("fast bf16 / fp16", f"{mm['fast_bf16']} / {mm['fast_fp16']}  ({mm['threads']} threads)"))
     if profile.get("training_gemm"):
         tg, el = profile["training_gemm"], profile["elementwise"]

@@ -70,11 +70,10 @@ def measure_matmul(dtype: torch.dtype, device: torch.device, sizes: list[int], m
     to take under `max_single` seconds per multiply."""
     rows, stopped = [], "largest size in the list"
     for size in sizes:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
+        multiply = _square_multiply(dtype, device, size)
         sync(device)
         t0 = time.perf_counter()
-        a @ b  # warm-up: kernel selection / JIT and first-touch of the output
+        multiply()  # warm-up: kernel selection / JIT and first-touch of the output
         sync(device)
         first = time.perf_counter() - t0
         # On a GPU one multiply is microseconds: time a batch so the timer and launch noise vanish.
@@ -84,26 +83,67 @@ def measure_matmul(dtype: torch.dtype, device: torch.device, sizes: list[int], m
             sync(device)
             t0 = time.perf_counter()
             for _ in range(inner):
-                a @ b
+                multiply()
             sync(device)
             dt = time.perf_counter() - t0
             best, spent, reps = min(best, dt / inner), spent + dt, reps + 1
         rows.append({"size": size, "seconds": best, "flops": 2 * size ** 3 / best, "multiplies": reps * inner})
-        del a, b
+        del multiply
         if best * 8 > max_single and size != sizes[-1]:
             stopped = f"size {size * 2} would take ~{best * 8:.2f} s per multiply (limit {max_single} s)"
             break
     return {"best_flops": max(r["flops"] for r in rows), "sizes": rows, "stopped": stopped}
 
 
-def _matmul_all(device: torch.device, quick: bool) -> dict:
+# fp8 training's GEMM (torchao's float8 linears with tensorwise scaling): e4m3 operands, the second
+# column-major as the kernel wants it, fp32 scales, a bf16 result
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_RECIPE = "tensorwise: e4m3 x e4m3 (column-major B) -> bf16, torch._scaled_mm"
+
+
+def _square_multiply(dtype: torch.dtype, device: torch.device, size: int):
+    """One size x size multiply in `dtype`, ready to call."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    if dtype is not FP8:
+        return lambda: a @ b
+    one = torch.ones((), device=device)
+    bt = b.t()
+    return lambda: torch._scaled_mm(a, bt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def fp8_matmul_unsupported(device: torch.device) -> str | None:
+    """Why this device cannot run an fp8 GEMM, or None when it can."""
+    if FP8 is None or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no float8 matmul"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "fp8 tensor cores need compute capability 8.9 (Ada, Hopper) or newer"
+    try:
+        _square_multiply(FP8, device, 16)()
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch._scaled_mm fails here: {str(e).splitlines()[0][:120]}"
+    return None
+
+
+def _matmul_sizes(device: torch.device, quick: bool) -> tuple[list[int], float, float]:
+    """(sizes to try, minimum seconds per size, the longest single multiply to allow)."""
     if device.type == "cuda":
         sizes = [1024, 2048, 4096] + ([] if quick else [8192])
     else:
         sizes = [128, 256, 512, 1024] + ([] if quick else [2048])
-    min_time, max_single = (0.1, 0.25) if quick else (0.3, 0.5)
-    out = {name: measure_matmul(dt, device, sizes, min_time, max_single) for name, dt in DTYPES.items()}
-    return out
+    return (sizes, *((0.1, 0.25) if quick else (0.3, 0.5)))
+
+
+def _matmul_all(device: torch.device, quick: bool) -> dict:
+    return {name: measure_matmul(dt, device, *_matmul_sizes(device, quick)) for name, dt in DTYPES.items()}
+
+
+def measure_fp8_matmul(device: torch.device, quick: bool) -> dict:
+    """fp8 GEMM FLOP/s (`FP8_RECIPE`) by size, or why it was not measured."""
+    reason = fp8_matmul_unsupported(device)
+    if reason is not None:
+        return {"skipped": reason, "recipe": FP8_RECIPE}
+    return {**measure_matmul(FP8, device, *_matmul_sizes(device, quick)), "recipe": FP8_RECIPE}
 
 
 # ---------------------------------------------------------------- per-operator overhead
@@ -338,8 +378,11 @@ def run_probe(directory: Path, quick: bool = False, progress: bool = True,
         else:  # measured, not guessed from flags: a torch build may not use the ISA at all
             fast_bf16 = dtypes["bf16"]["best_flops"] >= 0.5 * fp32
             fast_fp16 = dtypes["fp16"]["best_flops"] >= 0.5 * fp32
+        fp8 = measure_fp8_matmul(device, quick)
+        # fp8 counts as fast where it beats fp32 by the margin bf16 must (a CPU's fp8 GEMM is emulated)
+        fast_fp8 = "best_flops" in fp8 and (device.type == "cuda" or fp8["best_flops"] >= 0.5 * fp32)
         profile["matmul"] = {"device": device.type, "threads": torch.get_num_threads(), "dtypes": dtypes,
-                             "fast_bf16": fast_bf16, "fast_fp16": fast_fp16}
+                             "fast_bf16": fast_bf16, "fast_fp16": fast_fp16, "fp8": fp8, "fast_fp8": fast_fp8}
 
     def training_shapes():
         best = profile["matmul"]["dtypes"]["fp32"]["best_flops"]

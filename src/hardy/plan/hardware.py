@@ -430,6 +430,8 @@ def hardware_from_profile(profile: dict, where: str = "profile", name: str | Non
     for dtype in ("fp32", "bf16", "fp16"):
         if dtype in dtypes or dtype == "fp32":  # fp32 is always measured; the others normally are
             peak[dtype] = _field(profile, f"matmul.dtypes.{dtype}.best_flops", where)
+    if profile["matmul"].get("fast_fp8"):  # measured, and not emulated: `plan train --fp8` may use it
+        peak["fp8"] = _field(profile, "matmul.fp8.best_flops", where)
     allreduce = _field(profile, "allreduce", where, dict)
     if "error" in allreduce:
         raise HardyError(f"{where}: the all-reduce was not measured ({allreduce['error']}); rerun hardy probe")
