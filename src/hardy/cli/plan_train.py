@@ -66,6 +66,9 @@ def register_train(group) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--compile", action="store_true", help="each block torch.compile'd (as torchtitan applies it): "
                    "its norms, RoPE, SwiGLU and residuals fused (Llama-family models)")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="FSDP gathers the fp8 linears' weights in fp8 (torchao's enable_fsdp_float8_all_gather; "
+                        "needs --fp8 tensorwise and --zero 3)")
     p.add_argument("--loss", choices=["chunked", "full", "compiled"], default=None,
                    help="a Llama model's loss: chunked (hardy's fused linear cross-entropy, the default), full "
                         "(the logits materialized and the cross-entropy taken over their fp32 copy, as torchtitan "
@@ -114,7 +117,8 @@ def _job(args, hw, arch):
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         master_weights=args.master_weights, reduce_dtype=args.reduce_dtype,
                         offload=args.offload, sequence_parallel=args.sp, async_tp=args.async_tp,
-                        compile=args.compile, loss=args.loss, schedule=args.schedule,
+                        compile=args.compile, loss=args.loss, fp8_all_gather=args.fp8_all_gather,
+                        schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 
 

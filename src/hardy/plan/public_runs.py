@@ -78,13 +78,14 @@ class PublicRun:
     async_tp: bool = False
     loss: str | None = None  # "full": torchtitan's cross-entropy over fp32 logits, "compiled": compiled (2025 on)
     memory_gib: float | None = None  # published peak memory per GPU: torchtitan's max_reserved (GiB)
+    fp8_all_gather: bool = False  # torchao's FSDP float8 all-gather, where the run's command enables it
 
     @property
     def label(self) -> str:
         par = f" tp{self.tp} pp{self.pp}" if self.tp * self.pp > 1 else ""
         par += f" cp{self.cp}" if self.cp > 1 else ""
         extra = "".join((" compiled" if self.compile else "", f" fp8 {self.fp8}" if self.fp8 != "none" else "",
-                         " async-tp" if self.async_tp else ""))
+                         " fp8-all-gather" if self.fp8_all_gather else "", " async-tp" if self.async_tp else ""))
         return f"{self.model} {self.hardware} x{self.gpus}{par} s{self.seq} mb{self.micro_batch} ac {self.ac}{extra}"
 
 
@@ -158,7 +159,7 @@ RUNS = (
     _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "selective", 71.49),
     # torchtitan at e7c0cae compiles the loss with the model (components/loss.py)
     *(PublicRun("trainy-whitefiber", "h200", "llama3-8b", gpus, 8192, 2, 1, tps, "selective-op", compile=True,
-                fp8="tensorwise", loss="compiled", memory_gib=gib) for gpus, tps, gib in ((32, 10938, 47.96),
+                fp8="tensorwise", loss="compiled", memory_gib=gib, fp8_all_gather=True) for gpus, tps, gib in ((32, 10938, 47.96),
                                                                                       (64, 10753, 46.97))),
     *(_kempner("kempner-13b", g, 4, tps) for g, tps in ((8, 29860), (32, 110373), (64, 216507), (128, 423306),
                                                         (160, 534644))),
@@ -214,7 +215,8 @@ def plan_for(run: PublicRun, hw: Hardware):
                    sequence_parallel=run.sequence_parallel,
                    schedule="interleaved" if run.interleaved_stages > 1 else "1f1b",
                    virtual_stages=run.interleaved_stages, master_weights=run.master_weights, cp=run.cp,
-                   fp8=run.fp8, compile=run.compile, async_tp=run.async_tp, loss=run.loss)
+                   fp8=run.fp8, compile=run.compile, async_tp=run.async_tp, loss=run.loss,
+                   fp8_all_gather=run.fp8_all_gather)
     return plan_train(job)
 
 

@@ -63,6 +63,7 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
                             + (", sequence parallel" if j.sequence_parallel else "")
                             + (", async TP" if j.async_tp else "") + (", compiled" if j.compile else "")
                             + (f", {LOSS_LABELS[j.loss]}" if j.loss in LOSS_LABELS else "")
+                            + (", fp8 all-gather" if j.fp8_all_gather else "")
                             + (f", {SCHEDULES[j.schedule]} schedule" if j.pp > 1 else "")),
             ("batch", f"{j.global_batch_tokens:,} tokens per step (sequences of {j.seq})")]
     for part in MEMORY_PARTS:

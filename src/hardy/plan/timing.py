@@ -77,6 +77,7 @@ class StepSetup:
     async_tp: bool = False  # sequence parallel's collectives overlapped with their GEMMs (needs it)
     compiled: bool = False  # each Llama block torch.compile'd: its elementwise operators fused
     loss: str = "chunked"  # a Llama model's loss: hardy's fused chunked one, "full" fp32 logits, "compiled"
+    fp8_all_gather: bool = False  # FSDP gathers the fp8 linears' weights in fp8 (torchao, tensorwise)
 
     @property
     def dp_shard(self) -> int:
@@ -348,10 +349,17 @@ def _replicate_seconds(hw: Hardware, s: StepSetup, params: float) -> float:
     return ring_allreduce(s.reduce_bytes * params / s.dp_shard, s.dp_replicate, link)
 
 
+def gathered_weight_bytes(s: StepSetup) -> float:
+    """Bytes per parameter ZeRO-3 gathers: the run's 16-bit weights, or 1 under torchao's FSDP float8
+    all-gather, which casts each shard to fp8 before gathering (a layer's norm weights, 0.004% of a Llama
+    layer, are counted in fp8 too)."""
+    return 1.0 if s.fp8_all_gather else state_bytes(s.precision, s.master_weights)[0]
+
+
 def zero3_layer_collectives(hw: Hardware, s: StepSetup, layer_params: float) -> tuple[float, float]:
     """(one all-gather of a layer's parameters, its gradients' reduce-scatter plus HSDP's all-reduce)."""
     shard, link = s.dp_shard, _shard_link(hw, s)
-    gather = ring_allgather(state_bytes(s.precision, s.master_weights)[0] * layer_params, shard, link)
+    gather = ring_allgather(gathered_weight_bytes(s) * layer_params, shard, link)
     reduce = ring_allgather(s.reduce_bytes * layer_params, shard, link) + _replicate_seconds(hw, s, layer_params)
     return gather, reduce
 
@@ -426,6 +434,8 @@ def step_time(arch: Arch, hw: Hardware, s: StepSetup, params_local: float) -> St
     shard = s.dp_shard if s.zero >= 1 else 1
     adam_bytes = ADAM_BYTES_PER_PARAM[s.precision] if s.master_weights else NO_MASTER_ADAM_BYTES_PER_PARAM
     optimizer = adam_bytes * params_local / shard / bw
+    if s.fp8_all_gather:  # torchao's precomputed scales: one amax over every fp32 weight shard per step
+        optimizer += 4 * params_local / shard / bw
     if hw.kind == "cpu":  # the per-tensor AdamW kernel and gradient clipping: operators per tensor
         optimizer += OPTIMIZER_OPS_PER_TENSOR * param_tensors(arch, layers) * hw.op_overhead_s
     return StepTime(compute_s=m * mb_compute, elementwise_s=m * mb_elem, dispatch_s=m * dispatch, tp_comm_s=m * mb_tp,

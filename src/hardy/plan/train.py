@@ -47,6 +47,7 @@ class TrainJob:
     async_tp: bool = False
     compile: bool = False  # torch.compile per block (torchtitan's): the block's elementwise work fused
     loss: str | None = None  # Llama: "chunked" (hardy's fused loss, the default), "full" (fp32 logits), "compiled"
+    fp8_all_gather: bool = False  # FSDP gathers the fp8 linears' weights in fp8 (needs --fp8 tensorwise, --zero 3)
     schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1
     virtual_stages: int = 1
     # reliability
@@ -131,7 +132,7 @@ class TrainPlan:
         return {"model": self.job.arch.name, "hardware": self.job.hw.name, "devices": self.job.devices,
                 "parallel": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": self.job.zero,
                              "dp_replicate": self.job.dp_replicate, "dp_shard": self.dims.dp // self.job.dp_replicate,
-                             "cp": self.job.cp, "fp8": self.job.fp8,
+                             "cp": self.job.cp, "fp8": self.job.fp8, "fp8_all_gather": self.job.fp8_all_gather,
                              "ac": self.job.ac, "micro_batch": self.job.micro_batch,
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "master_weights": self.job.master_weights,
@@ -220,6 +221,10 @@ def check_job(job: TrainJob) -> Layout:
                          f"{job.precision}")
     if job.fp8 != "none" and "fp8" not in hw.peak_flops:
         raise HardyError(f"{hw.name} has no fp8 arithmetic in the catalogue (has {', '.join(sorted(hw.peak_flops))})")
+    if job.fp8_all_gather and (job.fp8 != "tensorwise" or job.zero != 3):
+        raise HardyError("--fp8-all-gather gathers FSDP's weight shards in fp8 (torchao's float8 all-gather, "
+                         f"tensorwise scaling only): it needs --fp8 tensorwise and --zero 3 (got --fp8 {job.fp8}, "
+                         f"--zero {job.zero})")
     if job.async_tp and (job.tp < 2 or not job.sequence_parallel):
         raise HardyError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with their GEMMs: "
                          f"it needs --tp 2 or more and --sp (got --tp {job.tp}"
@@ -325,7 +330,7 @@ def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: fl
     layer_params = arch.params_per_layer / job.tp
     buffers = 0.0
     if job.zero == 3 and lay.shard_dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
-        buffers += (2 * w + g) * layer_params
+        buffers += (2 * (1 if job.fp8_all_gather else w) + g) * layer_params
     foreach = job.optimizer_foreach if job.optimizer_foreach is not None else hw.kind == "gpu"
     # AdamW temporaries: the multi-tensor path materializes a step-sized copy of the parameters it
     # updates; the per-tensor path one copy of the largest tensor (the embedding).
@@ -370,7 +375,8 @@ def plan_train(job: TrainJob) -> TrainPlan:
                                          virtual_stages=lay.virtual_stages, dp_replicate=job.dp_replicate,
                                          cp=job.cp, fp8=job.fp8, master_weights=job.master_weights,
                                          reduce_dtype=job.reduce_dtype, async_tp=job.async_tp,
-                                         compiled=job.compile, schedule=job.schedule, loss=loss_kind(job)),
+                                         compiled=job.compile, schedule=job.schedule, loss=loss_kind(job),
+                                         fp8_all_gather=job.fp8_all_gather),
                      params_local)
     fpt = arch.flops_per_token(job.seq)
     plan = TrainPlan(job=job, dims=lay.dims, micro_batches=lay.micro_batches, memory=mem.per_device, host_memory=mem.host,
