@@ -181,8 +181,16 @@ def test_state_bytes_of_an_unknown_precision_is_a_hardy_error_naming_it_and_the_
         state_bytes(precision, master_weights)
     message = str(e.value)
     assert repr(precision) in message and all(known in message for known in STATE_BYTES), message
+    assert "(known: fp32, bf16, fp16; fp8 training keeps bf16 states)" in message, message
     with pytest.raises(HardyError):
         model_state_bytes(1e9, 3, 8, precision, master_weights=master_weights)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_parameter_offload_below_zero_3_is_refused_in_exactly_one_sentence(zero):
+    with pytest.raises(HardyError) as e:
+        model_state_bytes(1e9, zero, 8, offload="params")
+    assert str(e.value) == "parameter offload needs ZeRO-3 / FSDP full sharding (--zero 3)"
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

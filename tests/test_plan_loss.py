@@ -93,6 +93,12 @@ def test_output_bytes_by_hand():
     assert compiled == (final_norm + 2 * 10 * 1000 / 2 + 8 * 10 / 2, 2 * 10 * 1000 / 2)
     chunked = output_activation_bytes(arch, setup)  # the fused loss keeps the head's fp32 gradient instead
     assert chunked.kept == 10 * (3 * 64 * 2 + 4) + 4 * 1000 * 64
+    # sequence parallel splits the final norm's tensors over the TP ranks too; fp32 keeps 4-byte norms and
+    # the same 4 + 8 bytes per logit (the fp32 copy is the logits themselves)
+    sp = output_activation_bytes(arch, dataclasses.replace(setup, loss="full", sequence_parallel=True))
+    assert sp == (final_norm / 2 + 4 * 10 * 1000 / 2, 8 * 10 * 1000 / 2)
+    fp32 = output_activation_bytes(arch, dataclasses.replace(setup, loss="full", precision="fp32"))
+    assert fp32 == (10 * (3 * 64 * 4 + 4) + 4 * 10 * 1000 / 2, 8 * 10 * 1000 / 2)
 
 
 def test_the_loss_changes_the_peak_and_the_step_by_its_formula():

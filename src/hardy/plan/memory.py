@@ -163,10 +163,10 @@ def output_activation_bytes(arch: Arch, a: ActivationSetup) -> OutputActivations
     final_norm = tokens * (3 * arch.dim * e + 4) / (t if a.sequence_parallel else 1)
     if a.loss == "full":
         # the backward needs log_softmax's fp32 output (4 B per logit, split by TP's vocabulary-parallel
-        # loss). Transient, beyond it: in the forward the 16-bit logits and their fp32 copy (e + 4 B); in
-        # the backward nll_loss's fp32 gradient and log_softmax's (8 B), the larger
+        # loss). Transient, beyond it: in the backward nll_loss's fp32 gradient and log_softmax's (8 B), more
+        # than the forward's logits and their fp32 copy (e + 4 B, e at most 4)
         logits = tokens * arch.vocab_size / t
-        return OutputActivations(final_norm + 4 * logits, max(e + 4, 8) * logits)
+        return OutputActivations(final_norm + 4 * logits, 8 * logits)
     if a.loss == "compiled":  # kept: the logits (and 8 B per token); transient: their gradient
         logits = tokens * arch.vocab_size / t
         return OutputActivations(final_norm + e * logits + 8 * tokens / t, e * logits)
