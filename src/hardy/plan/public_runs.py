@@ -159,8 +159,8 @@ RUNS = (
     _megatron("gpt-1t", 8, 64, 512, 512, 1, 1, "selective", 71.49),
     # torchtitan at e7c0cae compiles the loss with the model (components/loss.py)
     *(PublicRun("trainy-whitefiber", "h200", "llama3-8b", gpus, 8192, 2, 1, tps, "selective-op", compile=True,
-                fp8="tensorwise", loss="compiled", memory_gib=gib, fp8_all_gather=True) for gpus, tps, gib in ((32, 10938, 47.96),
-                                                                                      (64, 10753, 46.97))),
+                fp8="tensorwise", loss="compiled", memory_gib=gib, fp8_all_gather=True)
+      for gpus, tps, gib in ((32, 10938, 47.96), (64, 10753, 46.97))),
     *(_kempner("kempner-13b", g, 4, tps) for g, tps in ((8, 29860), (32, 110373), (64, 216507), (128, 423306),
                                                         (160, 534644))),
     *(_kempner("llama3-70b", g, 2, tps) for g, tps in ((8, 3623), (32, 18688), (64, 35824), (96, 52190),
