@@ -66,6 +66,10 @@ def register_train(group) -> None:
     p.add_argument("--sp", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--compile", action="store_true", help="each block torch.compile'd (as torchtitan applies it): "
                    "its norms, RoPE, SwiGLU and residuals fused (Llama-family models)")
+    p.add_argument("--sp-style", choices=["megatron", "dtensor"], default="megatron",
+                   help="what sequence parallelism keeps for the backward: megatron (the linears' sharded inputs, "
+                        "gathered again) or dtensor (torchtitan's: each column-parallel linear keeps its "
+                        "all-gathered input); with --sp")
     p.add_argument("--fp8-all-gather", action="store_true",
                    help="FSDP gathers the fp8 linears' weights in fp8 (torchao's enable_fsdp_float8_all_gather; "
                         "needs --fp8 tensorwise and --zero 3)")
@@ -117,7 +121,7 @@ def _job(args, hw, arch):
                         ac=args.ac, micro_batch=args.micro_batch, cp=args.cp, fp8=args.fp8,
                         master_weights=args.master_weights, reduce_dtype=args.reduce_dtype,
                         offload=args.offload, sequence_parallel=args.sp, async_tp=args.async_tp,
-                        compile=args.compile, loss=args.loss, fp8_all_gather=args.fp8_all_gather,
+                        compile=args.compile, loss=args.loss, fp8_all_gather=args.fp8_all_gather, sp_style=args.sp_style,
                         schedule=args.schedule,
                         virtual_stages=args.virtual_stages)))
 

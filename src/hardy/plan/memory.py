@@ -93,6 +93,9 @@ class ActivationSetup:
     # the activation dtype (measured: autograd saves it).
     cpu: bool = False
     loss: str = "chunked"  # a Llama model's loss (LOSSES); GPT-style models keep fp32 logits either way
+    # Sequence parallelism as Megatron runs it (the linears keep their sharded input and gather it again in
+    # the backward) or as DTensor does (torchtitan: each column-parallel linear keeps its all-gathered input)
+    sp_style: str = "megatron"
 
 
 def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None = None) -> float:
@@ -136,6 +139,10 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
     # two RMSNorms (input, normalized, output) + 1/rms
     replicated = tokens * (6 * arch.dim * e + 2 * 4 + masks)
     split = tokens * ((2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.ffn_dim) * e + 4 * arch.n_heads)
+    if a.sequence_parallel and t > 1 and a.sp_style == "dtensor":
+        # each norm's output is all-gathered for QKV and for gate/up, which keep the gathered tensor
+        gathered = tokens * 2 * arch.dim * e
+        return (replicated - gathered) / t + gathered + split / t
     return replicated / rep + split / t
 
 
@@ -161,6 +168,8 @@ def output_activation_bytes(arch: Arch, a: ActivationSetup) -> OutputActivations
         return OutputActivations(tokens * arch.dim * e / (t if a.sequence_parallel else 1)
                                  + 4 * tokens * arch.vocab_size / t, 0.0)
     final_norm = tokens * (3 * arch.dim * e + 4) / (t if a.sequence_parallel else 1)
+    if a.sequence_parallel and t > 1 and a.sp_style == "dtensor":  # the head keeps its all-gathered input
+        final_norm = tokens * (2 * arch.dim * e + 4) / t + tokens * arch.dim * e
     if a.loss == "full":
         # the backward needs log_softmax's fp32 output (4 B per logit, split by TP's vocabulary-parallel
         # loss). Transient, beyond it: in the backward nll_loss's fp32 gradient and log_softmax's (8 B), more

@@ -79,6 +79,7 @@ class PublicRun:
     loss: str | None = None  # "full": torchtitan's cross-entropy over fp32 logits, "compiled": compiled (2025 on)
     memory_gib: float | None = None  # published peak memory per GPU: torchtitan's max_reserved (GiB)
     fp8_all_gather: bool = False  # torchao's FSDP float8 all-gather, where the run's command enables it
+    sp_style: str = "megatron"  # "dtensor": torchtitan's sequence parallelism (the gathered inputs kept)
 
     @property
     def label(self) -> str:
@@ -103,7 +104,7 @@ def _titan_h100(model, gpus, seq, mb, ac, tps, **kw):
     with fp32 gradient reduction, on the 96 GB H100 at 500 W."""
     sp = kw.get("tp", 1) > 1
     return PublicRun("torchtitan", "h100-hbm2e-96gb-500w", model, gpus, seq, mb, 1, tps, ac, sequence_parallel=sp,
-                     **{"loss": "full", **kw})
+                     **{"loss": "full", **kw}, sp_style="dtensor" if sp else "megatron")
 
 
 def _kempner(model, gpus, mb, aggregate):
@@ -216,7 +217,7 @@ def plan_for(run: PublicRun, hw: Hardware):
                    schedule="interleaved" if run.interleaved_stages > 1 else "1f1b",
                    virtual_stages=run.interleaved_stages, master_weights=run.master_weights, cp=run.cp,
                    fp8=run.fp8, compile=run.compile, async_tp=run.async_tp, loss=run.loss,
-                   fp8_all_gather=run.fp8_all_gather)
+                   fp8_all_gather=run.fp8_all_gather, sp_style=run.sp_style)
     return plan_train(job)
 
 

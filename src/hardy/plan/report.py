@@ -60,7 +60,8 @@ def train_plan_rows(plan) -> list[tuple[str, str]]:
                             f"{plan.micro_batches} per step, {j.precision}"
                             + ("" if j.master_weights else " (no fp32 master weights)")
                             + f", gradients reduced in {j.reduce_dtype}"
-                            + (", sequence parallel" if j.sequence_parallel else "")
+                            + ((", sequence parallel" + (" (DTensor's)" if j.sp_style == "dtensor" else ""))
+                               if j.sequence_parallel else "")
                             + (", async TP" if j.async_tp else "") + (", compiled" if j.compile else "")
                             + (f", {LOSS_LABELS[j.loss]}" if j.loss in LOSS_LABELS else "")
                             + (", fp8 all-gather" if j.fp8_all_gather else "")

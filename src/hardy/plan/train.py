@@ -48,6 +48,7 @@ class TrainJob:
     compile: bool = False  # torch.compile per block (torchtitan's): the block's elementwise work fused
     loss: str | None = None  # Llama: "chunked" (hardy's fused loss, the default), "full" (fp32 logits), "compiled"
     fp8_all_gather: bool = False  # FSDP gathers the fp8 linears' weights in fp8 (needs --fp8 tensorwise, --zero 3)
+    sp_style: str = "megatron"  # megatron | dtensor: what sequence parallelism keeps for the backward
     schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1
     virtual_stages: int = 1
     # reliability
@@ -137,7 +138,8 @@ class TrainPlan:
                              "micro_batches": self.micro_batches, "offload": self.job.offload,
                              "precision": self.job.precision, "master_weights": self.job.master_weights,
                              "reduce_dtype": self.job.reduce_dtype,
-                             "sequence_parallel": self.job.sequence_parallel, "async_tp": self.job.async_tp,
+                             "sequence_parallel": self.job.sequence_parallel, "sp_style": self.job.sp_style,
+                             "async_tp": self.job.async_tp,
                              "compile": self.job.compile, "loss": loss_kind(self.job),
                              "schedule": self.job.schedule, "virtual_stages": self.job.virtual_stages},
                 "memory_bytes": self.memory, "host_memory_bytes": self.host_memory,
@@ -221,6 +223,10 @@ def check_job(job: TrainJob) -> Layout:
                          f"{job.precision}")
     if job.fp8 != "none" and "fp8" not in hw.peak_flops:
         raise HardyError(f"{hw.name} has no fp8 arithmetic in the catalogue (has {', '.join(sorted(hw.peak_flops))})")
+    if job.sp_style not in ("megatron", "dtensor"):
+        raise HardyError(f"--sp-style must be megatron or dtensor (got {job.sp_style!r})")
+    if job.sp_style == "dtensor" and not job.sequence_parallel:
+        raise HardyError("--sp-style dtensor says what sequence parallelism keeps: it needs --sp")
     if job.fp8_all_gather and (job.fp8 != "tensorwise" or job.zero != 3):
         raise HardyError("--fp8-all-gather gathers FSDP's weight shards in fp8 (torchao's float8 all-gather, "
                          f"tensorwise scaling only): it needs --fp8 tensorwise and --zero 3 (got --fp8 {job.fp8}, "
@@ -291,7 +297,7 @@ def activation_bytes(job: TrainJob, lay: Layout) -> Stages:
     arch = job.arch
     act = ActivationSetup(seq=job.seq // job.cp, micro_batch=job.micro_batch, tp=job.tp,
                           sequence_parallel=job.sequence_parallel, recompute="none", precision=job.precision,
-                          cpu=job.hw.kind == "cpu", loss=loss_kind(job))
+                          cpu=job.hw.kind == "cpu", loss=loss_kind(job), sp_style=job.sp_style)
     layers = -(-arch.n_layers // job.pp)
     full_layer = layer_activation_bytes(arch, act, "none")
     if lay.recompute == "none":
