@@ -61,6 +61,15 @@ def test_across_a_slow_network_the_halved_gathers_show():
     assert plain.step.dp_comm_s > 0 and gathered.step.dp_comm_s < 0.75 * plain.step.dp_comm_s
 
 
+def test_a_search_gathers_in_fp8_wherever_fsdp_shards():
+    """`--fp8-all-gather --search`: ZeRO-3 candidates gather in fp8; the others are still planned."""
+    from hardy.plan.train import search
+
+    plans, _ = search(job(devices=16, fp8_all_gather=True), limit=0)
+    assert {p.job.zero for p in plans} > {3}
+    assert all(p.job.fp8_all_gather == (p.job.zero == 3) for p in plans)
+
+
 def test_impossible_layouts_are_refused_in_one_line():
     for kw, why in (({"fp8": "rowwise"}, "--fp8 rowwise, --zero 3"), ({"fp8": "none"}, "--fp8 none, --zero 3"),
                     ({"zero": 1}, "--fp8 tensorwise, --zero 1")):

@@ -119,6 +119,19 @@ def test_the_plan_grows_by_the_working_set_and_the_head():
     assert dtensor.step.total_s == megatron.step.total_s
 
 
+def test_a_search_keeps_the_sp_style_where_it_has_sequence_parallelism():
+    """`--sp --sp-style dtensor --search`: the style applies to the candidates with TP, and the ones without
+    TP are still planned (not refused for lacking sequence parallelism)."""
+    from hardy.plan.train import search
+
+    base = TrainJob(arch=arch_for("llama3-8b", 8192), hw=get_hardware("h100-sxm"), devices=16, seq=8192,
+                    global_batch_tokens=16 * 8192, tp=2, sequence_parallel=True, sp_style="dtensor")
+    plans, _ = search(base, limit=0)
+    assert any(p.job.tp == 1 for p in plans)
+    assert all(p.job.sp_style == ("dtensor" if p.job.tp > 1 else "megatron") for p in plans)
+    assert all(p.job.sequence_parallel == (p.job.tp > 1) for p in plans)
+
+
 def test_sp_style_on_the_command_line_and_its_refusals():
     base = ["plan", "train", "--model", "llama3.1-8b", "--hardware", "h100-sxm", "--devices", "8", "--tp", "8",
             "--seq", "4096"]

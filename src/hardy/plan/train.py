@@ -446,10 +446,14 @@ def search(base: TrainJob, rank_by: str = "time", limit: int = 10) -> tuple[list
             for zero in (0, 1, 2, 3):
                 for ac in acs:
                     for mb in (1, 2, 4, 8, 16):
-                        # async TP (asked for) applies where there is TP, and needs sequence parallelism
+                        # layout options asked for apply to the candidates that have what they need:
+                        # async TP and the SP style where there is TP (async TP needs sequence
+                        # parallelism), the fp8 all-gather where FSDP shards (ZeRO-3)
                         sp = tp > 1 and (arch.family == "gpt" or base.sequence_parallel or base.async_tp)
                         job = replace(base, tp=tp, pp=pp, dp=None, zero=zero, ac=ac, micro_batch=mb,
-                                      sequence_parallel=sp, async_tp=base.async_tp and tp > 1)
+                                      sequence_parallel=sp, async_tp=base.async_tp and tp > 1,
+                                      sp_style=base.sp_style if sp else "megatron",
+                                      fp8_all_gather=base.fp8_all_gather and zero == 3)
                         tried += 1
                         try:
                             p = plan_train(job)
