@@ -264,9 +264,14 @@ def hardware_from_dict(name: str, data: dict, where: str = "catalogue") -> Hardw
         raise HardyError(f"{where} [{name}]: bad or missing field ({e})") from None
 
 
+def _is_number(value) -> bool:
+    """An int or float as TOML and JSON give them (not a string, not true/false)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _number(value, field: str, what: str) -> float:
-    """A catalogue number: an int or float of the TOML file (not a string, not true/false)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A catalogue number, or a ValueError naming the field."""
+    if not _is_number(value):
         raise ValueError(f"{field} must be {what}, got {value!r}")
     return float(value)
 
@@ -404,8 +409,7 @@ def _field(profile: dict, dotted: str, where: str, kind=float, positive: bool = 
         if value is _MISSING:
             raise HardyError(f"{where}: missing field {dotted!r}; rerun hardy probe")
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or (positive and value <= 0):
+        if not _is_number(value) or not math.isfinite(value) or (positive and value <= 0):
             raise HardyError(f"{where}: field {dotted!r} must be a positive number, not {value!r}")
         return float(value)
     if not isinstance(value, kind):

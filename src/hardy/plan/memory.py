@@ -48,6 +48,13 @@ def state_bytes(precision: str, master_weights: bool = True) -> tuple[int, int, 
     return STATE_BYTES[precision] if master_weights or precision == "fp32" else NO_MASTER_STATE_BYTES
 
 
+def gathered_weight_bytes(precision: str, master_weights: bool = True, fp8_all_gather: bool = False) -> float:
+    """Bytes per parameter ZeRO-3 gathers and holds gathered: the run's weights, or 1 under torchao's FSDP
+    float8 all-gather, which casts each shard to fp8 before gathering (a layer's norm weights, 0.004% of a
+    Llama layer, are counted in fp8 too)."""
+    return 1.0 if fp8_all_gather else state_bytes(precision, master_weights)[0]
+
+
 def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
                       offload: str = "none", master_weights: bool = True) -> dict[str, float]:
     """Per-device bytes of weights, gradients and optimizer states for `params` parameters held by
@@ -97,6 +104,11 @@ class ActivationSetup:
     # the backward) or as DTensor does (torchtitan: each column-parallel linear keeps its all-gathered input)
     sp_style: str = "megatron"
 
+    @property
+    def keeps_gathered_inputs(self) -> bool:
+        """DTensor's sequence parallelism over several ranks: column-parallel linears keep their gathered input."""
+        return self.sequence_parallel and self.tp > 1 and self.sp_style == "dtensor"
+
 
 def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None = None) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one tensor-parallel rank."""
@@ -139,7 +151,7 @@ def layer_activation_bytes(arch: Arch, a: ActivationSetup, recompute: str | None
     # two RMSNorms (input, normalized, output) + 1/rms
     replicated = tokens * (6 * arch.dim * e + 2 * 4 + masks)
     split = tokens * ((2 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.ffn_dim) * e + 4 * arch.n_heads)
-    if a.sequence_parallel and t > 1 and a.sp_style == "dtensor":
+    if a.keeps_gathered_inputs:
         # each norm's output is all-gathered for QKV and for gate/up, which keep the gathered tensor
         gathered = tokens * 2 * arch.dim * e
         return (replicated - gathered) / t + gathered + split / t
@@ -168,16 +180,15 @@ def output_activation_bytes(arch: Arch, a: ActivationSetup) -> OutputActivations
         return OutputActivations(tokens * arch.dim * e / (t if a.sequence_parallel else 1)
                                  + 4 * tokens * arch.vocab_size / t, 0.0)
     final_norm = tokens * (3 * arch.dim * e + 4) / (t if a.sequence_parallel else 1)
-    if a.sequence_parallel and t > 1 and a.sp_style == "dtensor":  # the head keeps its all-gathered input
+    if a.keeps_gathered_inputs:  # the head keeps its all-gathered input
         final_norm = tokens * (2 * arch.dim * e + 4) / t + tokens * arch.dim * e
+    logits = tokens * arch.vocab_size / t  # split by TP's vocabulary-parallel loss
     if a.loss == "full":
-        # the backward needs log_softmax's fp32 output (4 B per logit, split by TP's vocabulary-parallel
-        # loss). Transient, beyond it: in the backward nll_loss's fp32 gradient and log_softmax's (8 B), more
-        # than the forward's logits and their fp32 copy (e + 4 B, e at most 4)
-        logits = tokens * arch.vocab_size / t
+        # the backward needs log_softmax's fp32 output (4 B per logit). Transient, beyond it: in the backward
+        # nll_loss's fp32 gradient and log_softmax's (8 B), more than the forward's logits and their fp32
+        # copy (e + 4 B, e at most 4)
         return OutputActivations(final_norm + 4 * logits, 8 * logits)
     if a.loss == "compiled":  # kept: the logits (and 8 B per token); transient: their gradient
-        logits = tokens * arch.vocab_size / t
         return OutputActivations(final_norm + e * logits + 8 * tokens / t, e * logits)
     # the loss's chunks (hardy.model.loss): as equal as can be, each at most 2^24 logits
     per_chunk = max(1, (1 << 24) // arch.vocab_size)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hardy.plan.arch import Arch
 from hardy.plan.hardware import Hardware, Link
-from hardy.plan.memory import ACT_BYTES, state_bytes
+from hardy.plan.memory import ACT_BYTES, gathered_weight_bytes, state_bytes
 
 # Operators per transformer layer forward in the two implementations (backward ≈ 2× as many).
 OPS_PER_LAYER = {"llama": 30, "gpt": 24}
@@ -349,17 +349,11 @@ def _replicate_seconds(hw: Hardware, s: StepSetup, params: float) -> float:
     return ring_allreduce(s.reduce_bytes * params / s.dp_shard, s.dp_replicate, link)
 
 
-def gathered_weight_bytes(s: StepSetup) -> float:
-    """Bytes per parameter ZeRO-3 gathers: the run's 16-bit weights, or 1 under torchao's FSDP float8
-    all-gather, which casts each shard to fp8 before gathering (a layer's norm weights, 0.004% of a Llama
-    layer, are counted in fp8 too)."""
-    return 1.0 if s.fp8_all_gather else state_bytes(s.precision, s.master_weights)[0]
-
-
 def zero3_layer_collectives(hw: Hardware, s: StepSetup, layer_params: float) -> tuple[float, float]:
     """(one all-gather of a layer's parameters, its gradients' reduce-scatter plus HSDP's all-reduce)."""
     shard, link = s.dp_shard, _shard_link(hw, s)
-    gather = ring_allgather(gathered_weight_bytes(s) * layer_params, shard, link)
+    gather = ring_allgather(gathered_weight_bytes(s.precision, s.master_weights, s.fp8_all_gather) * layer_params,
+                            shard, link)
     reduce = ring_allgather(s.reduce_bytes * layer_params, shard, link) + _replicate_seconds(hw, s, layer_params)
     return gather, reduce
 

@@ -11,8 +11,8 @@ from hardy.fault.policy import DEFAULT_DEVICE_MTBF_HOURS, daly_interval, expecte
 from hardy.parallel.dims import ParallelDims
 from hardy.plan.arch import Arch
 from hardy.plan.hardware import Hardware
-from hardy.plan.memory import (ACT_BYTES, LOSSES, STATE_BYTES, ActivationSetup, layer_activation_bytes,
-                               model_state_bytes, output_activation_bytes, state_bytes)
+from hardy.plan.memory import (ACT_BYTES, LOSSES, STATE_BYTES, ActivationSetup, gathered_weight_bytes,
+                               layer_activation_bytes, model_state_bytes, output_activation_bytes, state_bytes)
 from hardy.plan.timing import StepSetup, StepTime, compute_dtype, step_time
 
 GiB = 2 ** 30
@@ -332,11 +332,12 @@ def memory_plan(job: TrainJob, lay: Layout, params_first: float, params_last: fl
     act_first, act_last = activation_bytes(job, lay)
     states = {k: model_state_bytes(p, job.zero, lay.shard_dp, job.precision, job.offload, job.master_weights)
               for k, p in (("first", params_first), ("last", params_last))}
-    w, g, _ = state_bytes(job.precision, job.master_weights)
+    g = state_bytes(job.precision, job.master_weights)[1]
     layer_params = arch.params_per_layer / job.tp
     buffers = 0.0
     if job.zero == 3 and lay.shard_dp > 1:  # the gathered layer, the next one prefetched, one unsharded gradient
-        buffers += (2 * (1 if job.fp8_all_gather else w) + g) * layer_params
+        gathered = gathered_weight_bytes(job.precision, job.master_weights, job.fp8_all_gather)
+        buffers += (2 * gathered + g) * layer_params
     foreach = job.optimizer_foreach if job.optimizer_foreach is not None else hw.kind == "gpu"
     # AdamW temporaries: the multi-tensor path materializes a step-sized copy of the parameters it
     # updates; the per-tensor path one copy of the largest tensor (the embedding).
