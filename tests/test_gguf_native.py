@@ -267,6 +267,7 @@ def test_prefill_slabs_give_the_whole_matrix_product(bits, monkeypatch):
     layer = qlinear.QuantLinear(rtn(torch.randn(100, 256), spec))  # 100 rows: a partial tile of 8
     assert kernels.prepare(nn.Sequential(layer)) == 1 and layer.kernel is not None
     monkeypatch.setattr(qlinear, "PREFILL_SLAB_BYTES", 24 * 256 * 4)  # slabs of 24 rows: 5 of them
+    monkeypatch.setattr(qlinear, "PREFILL_BF16_ROWS", 24)  # the same in bf16
     x = torch.randn(2, 20, 256)
     exact = torch.nn.functional.linear(x, layer.dequantized_weight())
     assert torch.allclose(layer(x), exact, rtol=1e-6, atol=1e-5)

@@ -14,7 +14,7 @@ from pathlib import Path
 CSRC = Path(__file__).with_name("csrc")
 # several translation units so the cores compile in parallel and only bindings.cpp pays for pybind
 SOURCES = [CSRC / name for name in ("qgemv.cpp", "gguf_tiled.cpp", "decode_layer.cpp", "moe.cpp", "bindings.cpp")]
-HEADERS = [CSRC / name for name in ("qgemv.h", "tiles.h", "kv.h", "attention.h")]
+HEADERS = [CSRC / name for name in ("qgemv.h", "tiles.h", "dequant_tiles.h", "kv.h", "attention.h")]
 
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 VNNI = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]  # 256-bit dpbusd

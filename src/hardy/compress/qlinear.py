@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # the gguf package (and, with it, sentencepiece's OpenMP runt
 FUSED_MAX_TOKENS = 32
 # Prefill dequantizes the weights a slab of rows at a time (this many bytes of float weights: in L2/L3).
 PREFILL_SLAB_BYTES = 4 * 2 ** 20
+# In bf16, slabs of this many rows: oneDNN's AMX GEMM of a 512-token prompt runs at ~1.35 TFLOP/s on
+# 768-1,024-row slabs of 4,096- and 14,336-wide layers, and ~0.8 on the 512-row slabs that 4 MB gives
+# at width 4,096 (bench/prefill_slabs.py, BENCHMARKS.md).
+PREFILL_BF16_ROWS = 1024
 
 
 def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> None:
@@ -123,7 +127,10 @@ class QuantLinear(nn.Module):
         if dtype not in (torch.float32, torch.bfloat16):
             dtype = torch.float32
         xd = x.to(dtype)
-        rows = max(8, PREFILL_SLAB_BYTES // (self.in_features * xd.element_size()) // 8 * 8)
+        if dtype == torch.bfloat16:
+            rows = PREFILL_BF16_ROWS
+        else:
+            rows = max(8, PREFILL_SLAB_BYTES // (self.in_features * xd.element_size()) // 8 * 8)
         out = x.new_empty(*x.shape[:-1], self.out_features)
         slab = torch.empty(min(rows, self.out_features), self.in_features, dtype=dtype)
         for r0 in range(0, self.out_features, rows):

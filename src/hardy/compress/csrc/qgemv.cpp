@@ -9,6 +9,7 @@
 // elsewhere a scalar loop.
 #include "qgemv.h"
 #include "tiles.h"
+#include "dequant_tiles.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -393,6 +394,13 @@ void dequant_range(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64
               (bf16 || out.scalar_type() == at::kFloat) && begin >= 0 && begin + n <= N,
               "dequant_range: rows in range, a contiguous fp32/bf16 [rows, K] output");
   const QMatrix q = quantized_matrix(qweight, scales, mins, group, N);  // checks every form's layout
+  if (has_vector_dequant() && n > 0) {  // a tile at a time: its chunks transposed once for its 8 rows
+    void* Y = out.data_ptr();
+    at::parallel_for(begin / 8, (begin + n - 1) / 8 + 1, 2, [&](int64_t lo, int64_t hi) {
+      for (int64_t tile = lo; tile < hi; ++tile) tile_rows(q, begin, n, tile, Y, bf16);
+    });
+    return;
+  }
   float* F = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* B = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
