@@ -43,18 +43,22 @@ def hardy_run(path: Path, threads: int, prompt: int, new_tokens: int, batch: int
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def goal(op: str, value: float):
+    return (op, value) if value else None
+
+
+def record_prefill(args, path: Path, ours: list, theirs: list) -> None:
+    record(f"prefill-vs-llama-bench-{slug(str(path))}", issue=args.issue, goal=f"Prefill pp{args.prompt}, {path.name}, "
+           f"{args.threads} threads, vs llama-bench", target=goal(">=", args.prefill_goal),
+           figure=f"{median_ci(ours)[0]:.1f} tok/s", baseline=f"llama-bench {median_ci(theirs)[0]:.1f} tok/s",
+           ratio=median_ci([a / b for a, b in zip(ours, theirs)]), runs=args.reps, note=llama_cpp_label())
+
+
 def record_goals(args, path: Path, ours: list, theirs: list, runs: list, gain: tuple, rss: tuple) -> None:
     """The three ratios against their goals (issue 38's by default: prefill >= 1.0x llama-bench's, batch 8
     >= 3x batch 1, peak RSS <= 1.1x file + KV; a goal of 0 records the ratio without one)."""
-    name, note = slug(str(path)), llama_cpp_label()
-
-    def goal(op: str, value: float):
-        return (op, value) if value else None
-
-    record(f"prefill-vs-llama-bench-{name}", issue=args.issue, goal=f"Prefill pp{args.prompt}, {path.name}, "
-           f"{args.threads} threads, vs llama-bench", target=goal(">=", args.prefill_goal),
-           figure=f"{median_ci(ours)[0]:.1f} tok/s", baseline=f"llama-bench {median_ci(theirs)[0]:.1f} tok/s",
-           ratio=median_ci([a / b for a, b in zip(ours, theirs)]), runs=args.reps, note=note)
+    name = slug(str(path))
+    record_prefill(args, path, ours, theirs)
     record(f"batch{args.batch}-vs-batch1-{name}", issue=args.issue, goal=f"Batch-{args.batch} decode throughput / "
            f"batch 1, {path.name}", target=goal(">=", args.batch_goal),
            figure=f"{median_ci([r['batch_tps'] for r in runs])[0]:.1f} tok/s",
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pause", type=float, default=2.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="measure (and with --record write) the prefill ratio alone: no decode, no batched step")
     ap.add_argument("--record", action="store_true", help="write the three ratios to bench/results/ "
                     "(BENCHMARKS.md's table)")
     ap.add_argument("--issue", type=int, default=38, help="with --record: the issue that set the goals")
@@ -86,6 +92,8 @@ def main() -> None:
         raise SystemExit(f"no such file: {path}")
     size = path.stat().st_size
     kv = kv_bytes(path, args.prompt + args.new_tokens)
+    if args.prefill_only:
+        args.new_tokens, args.batch = 1, 1
     theirs, runs = [], []
     for rep in range(args.reps):
         time.sleep(args.pause)
@@ -94,8 +102,9 @@ def main() -> None:
         r = hardy_run(path, args.threads, args.prompt, args.new_tokens, args.batch)
         r["prefill_tps"] = args.prompt / r["ttft_s"]
         runs.append(r)
-        print(f"rep {rep + 1}: prefill llama.cpp {theirs[-1]:.1f}  hardy {r['prefill_tps']:.1f} tokens/s; hardy "
-              f"batch {args.batch} {r['batch_tps']:.1f}, batch 1 {r['batch1_step_tps']:.1f} tokens/s; "
+        batched = "" if args.prefill_only else (f"hardy batch {args.batch} {r['batch_tps']:.1f}, batch 1 "
+                                                 f"{r['batch1_step_tps']:.1f} tokens/s; ")
+        print(f"rep {rep + 1}: prefill llama.cpp {theirs[-1]:.1f}  hardy {r['prefill_tps']:.1f} tokens/s; {batched}"
               f"peak RSS {r['peak_rss'] / 2 ** 30:.2f} GiB", flush=True)
     ours = [r["prefill_tps"] for r in runs]
     gain = median_ci([r["batch_tps"] / r["batch1_step_tps"] for r in runs])
@@ -105,11 +114,14 @@ def main() -> None:
     print(f"| llama-bench pp{args.prompt}, tokens/s | {fmt(*median_ci(theirs))} |")
     print(f"| hardy prefill of {args.prompt} tokens, tokens/s | {fmt(*median_ci(ours))} |")
     print(f"| prefill ratio hardy / llama.cpp, per pair | {fmt(*median_ci([a / b for a, b in zip(ours, theirs)]), digits=2)} |")
-    print(f"| hardy batch {args.batch}, tokens/s (all sequences) | {fmt(*median_ci([r['batch_tps'] for r in runs]))} |")
-    print(f"| hardy batch 1 (same serving step), tokens/s | {fmt(*median_ci([r['batch1_step_tps'] for r in runs]))} |")
-    print(f"| batch {args.batch} / batch 1 throughput | {fmt(*gain, digits=2)} |")
+    if not args.prefill_only:
+        print(f"| hardy batch {args.batch}, tokens/s (all sequences) | {fmt(*median_ci([r['batch_tps'] for r in runs]))} |")
+        print(f"| hardy batch 1 (same serving step), tokens/s | {fmt(*median_ci([r['batch1_step_tps'] for r in runs]))} |")
+        print(f"| batch {args.batch} / batch 1 throughput | {fmt(*gain, digits=2)} |")
     print(f"| hardy peak RSS / (file + {kv / 2 ** 20:.0f} MiB fp32 KV) | {fmt(*rss, digits=3)} |")
-    if args.record:
+    if args.record and args.prefill_only:
+        record_prefill(args, path, ours, theirs)
+    elif args.record:
         record_goals(args, path, ours, theirs, runs, gain, rss)
     if args.json:
         Path(args.json).write_text(json.dumps({"file": str(path), "bytes": size, "kv_bytes": kv, "threads": args.threads,

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 LLAMA_CPP = "llama-cpp-python 0.3.36 sdist, llama.cpp commit 0c1e57098bba, -DGGML_NATIVE=ON"
 
 
-# Set once this llama.cpp's AMX matmul has died with SIGILL on this machine: from then on every run
+# Set once this llama.cpp's AMX build has died (SIGILL or SIGSEGV) on this machine: from then on every run
 # uses the build with AMX masked (bench/llama_cpp_build.sh, LLAMA_CPP_AMX=off), and llama_cpp_label says so.
 _amx_crashed = False
 
@@ -32,7 +32,7 @@ def llama_bin(amx: bool = True) -> Path:
 
 
 def llama_cpp_label() -> str:
-    return LLAMA_CPP + (", AMX masked (its AMX matmul died with SIGILL here)" if _amx_crashed else "")
+    return LLAMA_CPP + (", AMX masked (its AMX build crashed here)" if _amx_crashed else "")
 
 
 def llama_bench(model: Path, threads: int, prompt: int = 0, gen: int = 128, reps: int = 1,
@@ -41,10 +41,12 @@ def llama_bench(model: Path, threads: int, prompt: int = 0, gen: int = 128, reps
     global _amx_crashed
     args = ["-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json", *extra]
     out = subprocess.run([str(llama_bin(not _amx_crashed) / "llama-bench"), *args], capture_output=True, text=True)
-    if out.returncode == -signal.SIGILL and not _amx_crashed:
+    # this version's AMX build dies on the Xeons we run on: SIGILL (tileloadd on a worker thread) on most
+    # files, SIGSEGV on a Q4_K_M one; the build with AMX masked runs the same files
+    if out.returncode in (-signal.SIGILL, -signal.SIGSEGV) and not _amx_crashed:
         _amx_crashed = True
-        print("llama-bench died with SIGILL (its AMX matmul); every llama.cpp run from here on uses the build with "
-              "AMX masked", file=sys.stderr, flush=True)
+        print(f"llama-bench died with {signal.Signals(-out.returncode).name} in the AMX build; every llama.cpp run "
+              "from here on uses the build with AMX masked", file=sys.stderr, flush=True)
         out = subprocess.run([str(llama_bin(False) / "llama-bench"), *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"llama-bench failed ({out.returncode}):\n{out.stderr[-3000:]}")

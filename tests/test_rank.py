@@ -274,6 +274,30 @@ def test_eval_rank_cli(tmp_path, mini_run):
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_eval_rank_prefill_dtype_sets_the_quantized_layers_gemm_dtype(tmp_path, mini_compressed, monkeypatch):
+    """--prefill-dtype: bf16 moves an int4 model's scores (its many-token products run in bf16) by no more
+    than bf16 rounding; auto is bf16 exactly where the CPU has native bf16, fp32 elsewhere."""
+    import hardy.ops.matmul_probe as probe
+
+    root = _shakespeare_collection(tmp_path / "c")
+    model = str(mini_compressed("--bits", "4", "--group-size", "32"))
+    scores = {}
+    for dtype, fast in (("fp32", True), ("bf16", False), ("auto", True), ("auto", False)):
+        monkeypatch.setattr(probe, "has_fast_bf16", lambda device, fast=fast: fast)
+        out = tmp_path / f"{dtype}-{fast}.json"
+        proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--k", "4", "--depth", "6",
+                          "--alpha", "0.5", "--batch", "4", "--prefill-dtype", dtype, "--json", str(out),
+                          "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        by_query = json.loads(out.read_text())["rows"][1]["per_query_lm"]
+        scores[dtype, fast] = [s for q in sorted(by_query) for s in by_query[q].values()]
+    exact, bf16 = scores["fp32", True], scores["bf16", False]
+    assert bf16 != exact and bf16 == pytest.approx(exact, rel=2e-2)
+    assert scores["auto", True] == bf16 and scores["auto", False] == exact
+    proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--prefill-dtype", "int8")
+    assert proc.returncode == 2 and "--prefill-dtype" in proc.stderr
+
+
 def test_eval_rank_tensor_parallel_scores_equal_one_process(tmp_path, mini_run):
     """`--tp 2`: two torchrun workers, each holding half of every sharded matrix, score the same
     candidates as one process does (to float tolerance), in the same order."""

@@ -89,12 +89,26 @@ def load_from_args(args, need_tokenizer: bool = True):
 
 def use_fast_prefill(loaded) -> None:
     """Inference (generate, serve): quantized layers run many-token products in bf16 where the CPU has
-    native bf16 dot products (~3.7x fp32's GEMM rate here, BENCHMARKS.md); evaluation keeps fp32."""
+    native bf16 dot products (~3.7x fp32's GEMM rate here, BENCHMARKS.md); perplexity keeps fp32."""
     from hardy.ops.matmul_probe import has_fast_bf16
 
     device = compute_device(loaded.model)
     if device.type == "cpu" and has_fast_bf16(device):
         set_prefill_dtype(loaded.model, torch.bfloat16)
+
+
+def add_prefill_dtype_arg(p) -> None:
+    p.add_argument("--prefill-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="GEMM dtype of quantized layers' many-token products: auto (bf16 where the CPU has native "
+                        "bf16 dot products, as serve runs them; else fp32), fp32 (exact), bf16")
+
+
+def apply_prefill_dtype(loaded, choice: str) -> None:
+    """--prefill-dtype on a loaded model (add_prefill_dtype_arg)."""
+    if choice == "auto":
+        use_fast_prefill(loaded)
+    else:
+        set_prefill_dtype(loaded.model, torch.bfloat16 if choice == "bf16" else torch.float32)
 
 
 def add_kv_args(p) -> None:

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from hardy.cli.common import add_device_arg, add_gguf_arg
+from hardy.cli.common import add_device_arg, add_gguf_arg, add_prefill_dtype_arg, apply_prefill_dtype
 from hardy.devices import resolve_device
 from hardy.errors import HardyError
 from hardy.extras import require as require_extra
@@ -33,6 +33,7 @@ def register_rank(tasks) -> None:
     pr.add_argument("--batch", type=int, default=20, help="candidates per prefill")
     pr.add_argument("--max-passage-tokens", type=int, default=192)
     pr.add_argument("--template", default=None, help="prompt with {passage}; the query follows its end")
+    add_prefill_dtype_arg(pr)
     pr.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores; shared by --tp's processes)")
     pr.add_argument("--tp", type=int, default=1,
                     help="re-rank with each model sharded over N tensor-parallel CPU processes (gloo; started here)")
@@ -105,7 +106,9 @@ def load_sharded(spec: str, device, args):
     """(loaded model, None) in one process; under --tp, this rank's shard and, on rank 0, the runner
     that announces each scoring pass to the other ranks."""
     if args.tp == 1:
-        return load_model(spec, device=device, gguf=args.gguf_weights), None
+        loaded = load_model(spec, device=device, gguf=args.gguf_weights)
+        apply_prefill_dtype(loaded, args.prefill_dtype)
+        return loaded, None
     # start-up time: torch.distributed only for --tp
     from hardy.compress.tensor_parallel import rank_slices
     from hardy.infer.tensor_parallel import shard_model
@@ -114,6 +117,7 @@ def load_sharded(spec: str, device, args):
     rank = int(os.environ["RANK"])
     loaded = load_model(spec, device=device, gguf=args.gguf_weights, tp_slices=rank_slices(rank, args.tp))
     shard_model(loaded.model, args.tp)
+    apply_prefill_dtype(loaded, args.prefill_dtype)
     return loaded, (LeaderRunner(loaded.model, 1, 2) if rank == 0 else None)
 
 
