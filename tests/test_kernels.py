@@ -330,7 +330,8 @@ def test_long_rows_attended_in_chunks_match_the_modules(ext, int4_and_int8_model
     lengths = [300, 40, 128]
     fused = _batched_decode(model, prompts, lengths, True, KV_DTYPES[kv], steps=3)
     modules = _batched_decode(model, prompts, lengths, False, KV_DTYPES[kv], steps=3)
-    assert (fused - modules).norm() / modules.norm() < 1e-3
+    # bf16 keys and values (8 significant bits) left 1.1e-3 in one full-suite run on an AVX-512 Xeon
+    assert (fused - modules).norm() / modules.norm() < (1e-3 if kv == "fp32" else 4e-3)
 
 
 def test_a_cleared_cache_is_freed_and_a_new_one_read(ext, int4_and_int8_models):

@@ -77,8 +77,11 @@ def test_safetensors_export_loads_in_transformers_with_equal_logits(smollm2, tmp
 def test_the_clis_default_native_path_answers_as_llama_cpp_does_on_the_same_file(smollm2_path):
     """The float path above (dequantized weights, fp32 activations) answers "Paris". The CLI's default,
     --gguf-weights native (Q4_1 matrices through hardy's kernels, activations quantized to int8 as
-    llama.cpp quantizes them), answers what llama.cpp itself answers with this file: measured, the same
-    16 greedy tokens, and not Paris. The quantized model's quality is llama.cpp's, token for token here."""
+    llama.cpp quantizes them), answers what llama.cpp itself answers with this file, and not Paris:
+    measured, the same 16 greedy tokens on an AVX2 EPYC; on an AVX-512 Xeon the same first 11, then a
+    near-tie (0.25 apart in fp32-activation logits of spread 4.1) that each engine's int8 rounding broke its
+    own way. So: at least 8 tokens agree, and where they part the two choices are within a tenth of the
+    logits' spread of each other."""
     from llama_cpp import Llama
 
     from hardy.compress.qlinear import QuantLinear
@@ -96,4 +99,10 @@ def test_the_clis_default_native_path_answers_as_llama_cpp_does_on_the_same_file
         theirs.append(token)
         if len(theirs) == len(ours):
             break
-    assert len(ours) == 16 and ours == theirs, (tok.decode(ours), tok.decode(theirs))
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+    assert len(ours) == 16 and first >= 8, (tok.decode(ours), tok.decode(theirs))
+    if first < len(ours):  # a near-tie, which the two engines' int8 rounding of the activations broke apart
+        with torch.inference_mode():
+            logits = native.model(torch.tensor([prompt + ours[:first]]))[0, -1].float()  # fp32 activations
+        gap = (logits[ours[first]] - logits[theirs[first]]).abs()
+        assert gap < 0.1 * logits.std(), (first, gap, tok.decode(ours), tok.decode(theirs))

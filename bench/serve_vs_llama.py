@@ -1,0 +1,165 @@
+"""Serving many users against llama.cpp's own server (issue 40's serving goal): `--clients` concurrent
+streaming clients, each one completion of a ~`--prompt-tokens` prompt and `--max-tokens` new tokens
+(greedy), on `hardy serve --max-batch N` and on `llama-server -np N -cb` with the same file, threads and
+per-slot context; a fresh server per run, the two alternating (the order swapped every repetition).
+
+Reported per engine: total completion tokens/s over the wall time from the first request to the last
+answer, and each request's time to first token (the first streamed text) at p50 and p99; the per-pair
+ratio of throughputs (hardy / llama-server) with a 95% interval.
+
+    .venv/bin/python bench/serve_vs_llama.py --model /tmp/big/llama3.1-8b.Q4_0.gguf --reps 5 --record
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from native import cpu_line, fmt, llama_bin, llama_cpp_label, median_ci  # noqa: E402
+from results import record, slug  # noqa: E402
+
+# ~9 tokens of SmolLM2's BPE (the 8B-shaped files' vocabulary) per repetition; a client's own number
+# keeps the prompts distinct, so no engine can share a prefix cache between them
+UNIT = "The history of the Roman Empire begins with the city. "
+
+
+def stream(port: int, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion: time to the first text, the end, completion tokens."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise SystemExit(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+    first, pieces, usage = None, 0, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if event.get("usage"):
+            usage = event["usage"]
+        if any(c.get("text") for c in event.get("choices", [])):
+            pieces += 1
+            if first is None:
+                first = time.perf_counter() - t0
+    conn.close()
+    tokens = usage["completion_tokens"] if usage else pieces
+    return {"ttft": first if first is not None else float("nan"), "end": time.perf_counter(), "tokens": tokens,
+            "prompt_tokens": usage["prompt_tokens"] if usage else None}
+
+
+def load(port: int, args) -> dict:
+    """All clients at once; throughput over the wall time, TTFT per request."""
+    out: list[dict | None] = [None] * args.clients
+    prompts = [f"({i}) " + UNIT * (args.prompt_tokens // 9) for i in range(args.clients)]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, stream(port, prompts[i], args.max_tokens)))
+               for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(o is None for o in out):
+        raise SystemExit("a client failed")
+    wall = max(o["end"] for o in out) - t0
+    return {"tokens_per_s": sum(o["tokens"] for o in out) / wall, "ttft": [o["ttft"] for o in out],
+            "prompt_tokens": out[0]["prompt_tokens"], "tokens": sum(o["tokens"] for o in out)}
+
+
+def healthy(port: int, proc) -> None:
+    for _ in range(1200):  # up to 10 minutes to load
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode})")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not come up")
+
+
+def run(engine: str, args) -> dict:
+    port = 18500 + os.getpid() % 1000
+    context = args.prompt_tokens + args.max_tokens + 64
+    if engine == "hardy":
+        cmd = [sys.executable, "-m", "hardy", "serve", "--model", args.model, "--port", str(port), "--max-batch",
+               str(args.clients), "--context", str(context), "--threads", str(args.threads)]
+    else:
+        cmd = [str(llama_bin() / "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads),
+               "-np", str(args.clients), "-cb", "-c", str(context * args.clients)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        healthy(port, proc)
+        return load(port, args)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--record", action="store_true", help="write the ratio to bench/results/ (BENCHMARKS.md)")
+    args = ap.parse_args()
+    if not Path(args.model).is_file():
+        raise SystemExit(f"no such file: {args.model}")
+    runs: dict[str, list[dict]] = {"hardy": [], "llama": []}
+    for rep in range(args.reps):
+        for engine in (("hardy", "llama") if rep % 2 == 0 else ("llama", "hardy")):
+            runs[engine].append(run(engine, args))
+        h, l_ = runs["hardy"][-1], runs["llama"][-1]
+        print(f"rep {rep + 1}: hardy {h['tokens_per_s']:.2f} tok/s ({h['tokens']} tokens, prompt {h['prompt_tokens']}), "
+              f"llama-server {l_['tokens_per_s']:.2f} tok/s ({l_['tokens']} tokens, prompt {l_['prompt_tokens']})",
+              flush=True)
+    ratio = median_ci([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["hardy"], runs["llama"])])
+    print(f"\n{Path(args.model).name}, {args.clients} clients x (~{args.prompt_tokens} prompt + {args.max_tokens} new "
+          f"tokens), {args.threads} threads, {cpu_line()}; {llama_cpp_label()}")
+    print("| engine | completion tokens/s | TTFT p50, s | TTFT p99, s |\n|---|---|---|---|")
+    for name, label in (("hardy", f"hardy serve --max-batch {args.clients}"),
+                        ("llama", f"llama-server -np {args.clients} -cb")):
+        ttft = [t for r in runs[name] for t in r["ttft"]]
+        print(f"| {label} | {fmt(*median_ci([r['tokens_per_s'] for r in runs[name]]), digits=2)} | "
+              f"{statistics.median(ttft):.1f} | {pct(ttft, 0.99):.1f} |")
+    print(f"| hardy / llama-server, per pair | {fmt(*ratio, digits=2)} | | |")
+    if args.record:
+        ttft = [t for r in runs["hardy"] for t in r["ttft"]]
+        record(f"serve-vs-llama-server-{slug(args.model)}", issue=40,
+               goal=f"Serving {args.clients} clients (~{args.prompt_tokens}-token prompts, {args.max_tokens} new), "
+                    f"{Path(args.model).name}, vs llama-server -np {args.clients} -cb",
+               target=(">=", 2.0), figure=f"{median_ci([r['tokens_per_s'] for r in runs['hardy']])[0]:.2f} tok/s, "
+                                          f"TTFT p50 {statistics.median(ttft):.1f} s, p99 {pct(ttft, 0.99):.1f} s",
+               baseline=f"llama-server {median_ci([r['tokens_per_s'] for r in runs['llama']])[0]:.2f} tok/s",
+               ratio=ratio, runs=args.reps, note=llama_cpp_label())
+
+
+if __name__ == "__main__":
+    main()
