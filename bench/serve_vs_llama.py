@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import native
 import json
 import os
 import signal
@@ -28,9 +29,9 @@ sys.path.insert(0, str(HERE))
 from native import cpu_line, fmt, llama_bin, llama_cpp_label, median_ci  # noqa: E402
 from results import record, slug  # noqa: E402
 
-# ~9 tokens of SmolLM2's BPE (the 8B-shaped files' vocabulary) per repetition; a client's own number
-# keeps the prompts distinct, so no engine can share a prefix cache between them
-UNIT = "The history of the Roman Empire begins with the city. "
+# 11 tokens of SmolLM2's BPE (the 8B-shaped files' vocabulary) per repetition, and 3 for a client's own
+# number, which keeps the prompts distinct so that no engine can share a prefix cache between them
+UNIT, UNIT_TOKENS, NUMBER_TOKENS = "The history of the Roman Empire begins with the city. ", 11, 3
 
 
 def stream(port: int, prompt: str, max_tokens: int) -> dict:
@@ -64,7 +65,7 @@ def stream(port: int, prompt: str, max_tokens: int) -> dict:
 def load(port: int, args) -> dict:
     """All clients at once; throughput over the wall time, TTFT per request."""
     out: list[dict | None] = [None] * args.clients
-    prompts = [f"({i}) " + UNIT * (args.prompt_tokens // 9) for i in range(args.clients)]
+    prompts = [f"({i}) " + UNIT * ((args.prompt_tokens - NUMBER_TOKENS) // UNIT_TOKENS) for i in range(args.clients)]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, stream(port, prompts[i], args.max_tokens)))
                for i in range(args.clients)]
@@ -79,10 +80,14 @@ def load(port: int, args) -> dict:
             "prompt_tokens": out[0]["prompt_tokens"], "tokens": sum(o["tokens"] for o in out)}
 
 
+class Exited(Exception):
+    pass
+
+
 def healthy(port: int, proc) -> None:
     for _ in range(1200):  # up to 10 minutes to load
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode})")
+            raise Exited(proc.returncode)
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
@@ -95,14 +100,27 @@ def healthy(port: int, proc) -> None:
 
 
 def run(engine: str, args) -> dict:
+    """One run; llama.cpp's AMX build, where it crashes (bench/native.py), gives way to the one without AMX."""
+    try:
+        return run_once(engine, args)
+    except Exited as e:
+        if engine == "hardy" or e.args[0] not in (-signal.SIGILL, -signal.SIGSEGV) or native._amx_crashed:
+            raise SystemExit(f"{engine}'s server exited ({e.args[0]})") from None
+        native._amx_crashed = True
+        print(f"llama-server died with {signal.Signals(-e.args[0]).name} in the AMX build; the build with AMX "
+              "masked serves from here on", flush=True)
+        return run_once(engine, args)
+
+
+def run_once(engine: str, args) -> dict:
     port = 18500 + os.getpid() % 1000
     context = args.prompt_tokens + args.max_tokens + 64
     if engine == "hardy":
         cmd = [sys.executable, "-m", "hardy", "serve", "--model", args.model, "--port", str(port), "--max-batch",
                str(args.clients), "--context", str(context), "--threads", str(args.threads)]
     else:
-        cmd = [str(llama_bin() / "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads),
-               "-np", str(args.clients), "-cb", "-c", str(context * args.clients)]
+        cmd = [str(llama_bin(not native._amx_crashed) / "llama-server"), "-m", args.model, "--port", str(port),
+               "-t", str(args.threads), "-np", str(args.clients), "-cb", "-c", str(context * args.clients)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         healthy(port, proc)
@@ -153,7 +171,8 @@ def main() -> None:
     if args.record:
         ttft = [t for r in runs["hardy"] for t in r["ttft"]]
         record(f"serve-vs-llama-server-{slug(args.model)}", issue=40,
-               goal=f"Serving {args.clients} clients (~{args.prompt_tokens}-token prompts, {args.max_tokens} new), "
+               goal=f"Serving {args.clients} clients ({runs['hardy'][0]['prompt_tokens']}-token prompts, "
+                    f"{args.max_tokens} new), "
                     f"{Path(args.model).name}, vs llama-server -np {args.clients} -cb",
                target=(">=", 2.0), figure=f"{median_ci([r['tokens_per_s'] for r in runs['hardy']])[0]:.2f} tok/s, "
                                           f"TTFT p50 {statistics.median(ttft):.1f} s, p99 {pct(ttft, 0.99):.1f} s",

@@ -88,8 +88,8 @@ def load_from_args(args, need_tokenizer: bool = True):
 
 
 def use_fast_prefill(loaded) -> None:
-    """Inference (generate, serve): quantized layers run many-token products in bf16 where the CPU has
-    native bf16 dot products (~3.7x fp32's GEMM rate here, BENCHMARKS.md); perplexity keeps fp32."""
+    """Inference (generate, serve, eval rank): quantized layers run many-token products in bf16 where the
+    CPU has native bf16 dot products (~3.7x fp32's GEMM rate here, BENCHMARKS.md); perplexity keeps fp32."""
     from hardy.ops.matmul_probe import has_fast_bf16
 
     device = compute_device(loaded.model)

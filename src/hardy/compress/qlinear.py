@@ -24,9 +24,8 @@ if TYPE_CHECKING:  # the gguf package (and, with it, sentencepiece's OpenMP runt
 FUSED_MAX_TOKENS = 32
 # Prefill dequantizes the weights a slab of rows at a time (this many bytes of float weights: in L2/L3).
 PREFILL_SLAB_BYTES = 4 * 2 ** 20
-# In bf16, slabs of this many rows: oneDNN's AMX GEMM of a 512-token prompt runs at ~1.35 TFLOP/s on
-# 768-1,024-row slabs of 4,096- and 14,336-wide layers, and ~0.8 on the 512-row slabs that 4 MB gives
-# at width 4,096 (bench/prefill_slabs.py, BENCHMARKS.md).
+# In bf16, slabs of this many rows: oneDNN's AMX GEMM ran a 512-token prompt's slabs about half as fast at
+# 512 rows (what 4 MB gives at width 4,096) as at 768-2,048 (bench/prefill_slabs.py, bench/history.md).
 PREFILL_BF16_ROWS = 1024
 
 
