@@ -3,6 +3,7 @@ bench/llama_cpp_build.sh, and the statistics every comparison reports: medians w
 alternating repetitions, the CPU and the llama.cpp commit."""
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import re
@@ -10,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,18 +37,42 @@ def llama_cpp_label() -> str:
     return LLAMA_CPP + (", AMX masked (its AMX build crashed here)" if _amx_crashed else "")
 
 
+def amx_build_crashed(tool: str, returncode: int | None) -> bool:
+    """Whether `tool`'s exit was the AMX build's crash; the first one switches every later llama.cpp run to the
+    build with AMX masked (llama_bin(not _amx_crashed)) and says so. This version's AMX build dies on the Xeons
+    we run on: SIGILL (tileloadd on a worker thread) on most files, SIGSEGV on a Q4_K_M one and in llama-server;
+    the build with AMX masked runs the same files."""
+    global _amx_crashed
+    if _amx_crashed or returncode not in (-signal.SIGILL, -signal.SIGSEGV):
+        return False
+    _amx_crashed = True
+    print(f"{tool} died with {signal.Signals(-returncode).name} in the AMX build; every llama.cpp run from here on "
+          "uses the build with AMX masked", file=sys.stderr, flush=True)
+    return True
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, seconds: float) -> bool:
+    """Poll a server's GET /health on 127.0.0.1:`port` until it answers 200 (True), or until `proc` exits or
+    `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 def llama_bench(model: Path, threads: int, prompt: int = 0, gen: int = 128, reps: int = 1,
                 extra: tuple[str, ...] = ()) -> list[float]:
     """tokens/s samples of `llama-bench` (one test: pp`prompt` or tg`gen`)."""
-    global _amx_crashed
     args = ["-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json", *extra]
     out = subprocess.run([str(llama_bin(not _amx_crashed) / "llama-bench"), *args], capture_output=True, text=True)
-    # this version's AMX build dies on the Xeons we run on: SIGILL (tileloadd on a worker thread) on most
-    # files, SIGSEGV on a Q4_K_M one; the build with AMX masked runs the same files
-    if out.returncode in (-signal.SIGILL, -signal.SIGSEGV) and not _amx_crashed:
-        _amx_crashed = True
-        print(f"llama-bench died with {signal.Signals(-out.returncode).name} in the AMX build; every llama.cpp run "
-              "from here on uses the build with AMX masked", file=sys.stderr, flush=True)
+    if amx_build_crashed("llama-bench", out.returncode):
         out = subprocess.run([str(llama_bin(False) / "llama-bench"), *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"llama-bench failed ({out.returncode}):\n{out.stderr[-3000:]}")

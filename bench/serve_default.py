@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from big_cpu_model import write_gguf  # noqa: E402
-from native import llama_bin  # noqa: E402
+from native import llama_bin, wait_healthy  # noqa: E402
 
 PROMPT = "The history of the Roman Empire begins with the founding of the city, and " * 12
 
@@ -94,16 +94,8 @@ def run_llama_server(model: Path, n: int, max_tokens: int, threads: int) -> dict
     proc = subprocess.Popen([str(llama_bin() / "llama-server"), "-m", str(model), "--port", str(port), "-t", str(threads),
                              "--parallel", str(n)], stdout=subprocess.DEVNULL, stderr=log.open("w"))
     try:
-        for _ in range(600):  # up to 5 minutes for the model to load
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        t0 = time.perf_counter()
+        wait_healthy(port, proc, 300)  # up to 5 minutes for the model to load; a server that never comes up
+        t0 = time.perf_counter()      # leaves its clients unanswered, which the summary counts
         answers = clients(port, n, max_tokens)
         result = summary(answers, time.perf_counter() - t0, proc.pid)
     finally:

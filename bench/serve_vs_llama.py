@@ -80,39 +80,20 @@ def load(port: int, args) -> dict:
             "prompt_tokens": out[0]["prompt_tokens"], "tokens": sum(o["tokens"] for o in out)}
 
 
-class Exited(Exception):
-    pass
-
-
-def healthy(port: int, proc) -> None:
-    for _ in range(1200):  # up to 10 minutes to load
-        if proc.poll() is not None:
-            raise Exited(proc.returncode)
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not come up")
-
-
 def run(engine: str, args) -> dict:
     """One run; llama.cpp's AMX build, where it crashes (bench/native.py), gives way to the one without AMX."""
-    try:
-        return run_once(engine, args)
-    except Exited as e:
-        if engine == "hardy" or e.args[0] not in (-signal.SIGILL, -signal.SIGSEGV) or native._amx_crashed:
-            raise SystemExit(f"{engine}'s server exited ({e.args[0]})") from None
-        native._amx_crashed = True
-        print(f"llama-server died with {signal.Signals(-e.args[0]).name} in the AMX build; the build with AMX "
-              "masked serves from here on", flush=True)
-        return run_once(engine, args)
+    result = run_once(engine, args)
+    if isinstance(result, int):  # the server exited before it came up
+        if engine == "hardy" or not native.amx_build_crashed("llama-server", result):
+            raise SystemExit(f"{engine}'s server exited ({result})")
+        result = run_once(engine, args)
+        if isinstance(result, int):
+            raise SystemExit(f"{engine}'s server exited ({result})")
+    return result
 
 
-def run_once(engine: str, args) -> dict:
+def run_once(engine: str, args) -> dict | int:
+    """The load's result, or the server's exit status where it exited before it came up."""
     port = 18500 + os.getpid() % 1000
     context = args.prompt_tokens + args.max_tokens + 64
     if engine == "hardy":
@@ -123,7 +104,10 @@ def run_once(engine: str, args) -> dict:
                "-t", str(args.threads), "-np", str(args.clients), "-cb", "-c", str(context * args.clients)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        healthy(port, proc)
+        if not native.wait_healthy(port, proc, 600):
+            if proc.poll() is not None:
+                return proc.returncode
+            raise SystemExit(f"{engine}'s server did not come up in 10 minutes")
         return load(port, args)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -40,19 +40,24 @@ def _blocks(qtype, offsets: tuple[int, ...], seed: int) -> np.ndarray:
     return blocks
 
 
-def _layer(type_name: str, offsets: tuple[int, ...], seed: int = 0):
+def _layer_of(qtype, blocks: np.ndarray):
+    """The blocks as a prepared QuantLinear in the kernels' tiled form, and the `gguf` package's dequantization."""
     from hardy.compress.qlinear import QuantLinear
 
     module = kernels.load()
     if module is None:
         pytest.skip("could not import 'hardy kernels': the extension did not build")
-    qtype = gguf.GGMLQuantizationType[type_name]
-    t = _tensor(qtype, _blocks(qtype, offsets, seed))
+    t = _tensor(qtype, blocks)
     reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(ROWS, COLS))
     layer = QuantLinear(packed_from_gguf(t, converter=module))
     kernels.prepare(layer)
     assert layer.kernel is not None and layer.tiled
     return layer, reference
+
+
+def _layer(type_name: str, offsets: tuple[int, ...], seed: int = 0):
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return _layer_of(qtype, _blocks(qtype, offsets, seed))
 
 
 @pytest.mark.parametrize("type_name,offsets", TYPES)
@@ -80,15 +85,7 @@ def test_a_nan_scale_stays_nan_in_bf16():
     qtype = gguf.GGMLQuantizationType.Q8_0
     blocks = _blocks(qtype, (0,), seed=1)
     blocks[2, 1, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
-    module = kernels.load()
-    if module is None:
-        pytest.skip("could not import 'hardy kernels': the extension did not build")
-    from hardy.compress.qlinear import QuantLinear
-
-    t = _tensor(qtype, blocks)
-    reference = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(ROWS, COLS))
-    layer = QuantLinear(packed_from_gguf(t, converter=module))
-    kernels.prepare(layer)
+    layer, reference = _layer_of(qtype, blocks)
     bf16 = torch.empty(ROWS, COLS, dtype=torch.bfloat16)
     layer.kernel.dequant_range(0, bf16)
     nan = reference.isnan()
