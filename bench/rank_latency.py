@@ -24,11 +24,11 @@ from native import cpu_line, fmt, median_ci  # noqa: E402
 from results import record  # noqa: E402
 
 
-def rank_run(model: str, args, out: Path) -> dict:
+def rank_run(model: str, args, out: Path, activations: str = "fp32") -> dict:
     """The QLM row of one `hardy eval rank` process (its latency and per-query nDCG@10)."""
     cmd = [sys.executable, "-m", "hardy", "eval", "rank", "--model", model, "--k", str(args.k), "--alpha", "0.2",
            "--max-queries", str(args.queries), "--threads", str(args.threads), "--prefill-dtype", args.prefill_dtype,
-           "--json", str(out), "--no-progress"]
+           "--activations", activations, "--json", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"hardy eval rank failed on {model}:\n{proc.stderr[-2000:]}")
@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    ap.add_argument("--int4-activations", default="fp32", choices=("fp32", "bf16"),
+                    help="the int4 model's --activations (the fp32 model's stay fp32)")
     ap.add_argument("--record", action="store_true", help="write the ratio to bench/results/ (BENCHMARKS.md)")
     args = ap.parse_args()
     lat: dict[str, list[float]] = {"fp32": [], "int4": []}
@@ -61,14 +63,16 @@ def main() -> None:
         for rep in range(args.reps):
             order = ("fp32", "int4") if rep % 2 == 0 else ("int4", "fp32")
             for name in order:
-                row = rank_run(getattr(args, name), args, Path(tmp) / f"{name}.json")
+                row = rank_run(getattr(args, name), args, Path(tmp) / f"{name}.json",
+                               args.int4_activations if name == "int4" else "fp32")
                 lat[name].append(row["latency_median_ms"] / 1000)
                 ndcg[name] = row["per_query_ndcg"]
             print(f"rep {rep + 1}: fp32 {lat['fp32'][-1]:.3f} s, int4 {lat['int4'][-1]:.3f} s per query "
                   f"({lat['int4'][-1] / lat['fp32'][-1]:.2f}x)", flush=True)
     ratio = median_ci([a / b for a, b in zip(lat["int4"], lat["fp32"])])
     diff, z = paired_z(ndcg["int4"], ndcg["fp32"])
-    print(f"\n{cpu_line()}; {args.queries} queries, k = {args.k}, --prefill-dtype {args.prefill_dtype}")
+    setting = f"--prefill-dtype {args.prefill_dtype}, int4 --activations {args.int4_activations}"
+    print(f"\n{cpu_line()}; {args.queries} queries, k = {args.k}, {setting}")
     print("| measure | median [95% interval] |\n|---|---|")
     print(f"| fp32 latency per query, s | {fmt(*median_ci(lat['fp32']), digits=3)} |")
     print(f"| int4 latency per query, s | {fmt(*median_ci(lat['int4']), digits=3)} |")
@@ -78,7 +82,7 @@ def main() -> None:
         record("rerank-int4-latency-vs-fp32", issue=40, goal="Re-ranking latency per query, int4 / fp32, SmolLM2",
                target=("<=", 0.5), figure=f"int4 p50 {median_ci(lat['int4'])[0]:.3f} s per query",
                baseline=f"fp32 p50 {median_ci(lat['fp32'])[0]:.3f} s per query", ratio=ratio, runs=args.reps,
-               note=f"the first {args.queries} test queries, k {args.k}, --prefill-dtype {args.prefill_dtype}; int4 "
+               note=f"the first {args.queries} test queries, k {args.k}, {setting}; int4 "
                     f"nDCG@10 {100 * diff:+.2f} points against fp32 on them (paired z {z:+.2f})")
 
 

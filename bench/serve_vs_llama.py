@@ -52,7 +52,9 @@ def stream(port: int, prompt: str, max_tokens: int) -> dict:
         event = json.loads(line[5:])
         if event.get("usage"):
             usage = event["usage"]
-        if any(c.get("text") for c in event.get("choices", [])):
+        # a token's event: text, or none yet (llama-server sends "" while a UTF-8 sequence is incomplete,
+        # which random-weight files produce all the time); the last event carries a finish_reason
+        if any(c.get("text") or c.get("finish_reason") is None for c in event.get("choices", [])):
             pieces += 1
             if first is None:
                 first = time.perf_counter() - t0

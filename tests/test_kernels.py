@@ -505,3 +505,29 @@ def test_a_build_compiled_on_an_earlier_first_use_loads_without_a_warning(monkey
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", f"quantized decode kernels: none was built at install; loading the {isa} build compiled on an "
                  "earlier first use")]
+
+
+def test_bf16_activations_leave_the_quantized_bytes_and_run_the_pass_in_bf16(ext, int4_and_int8_models):
+    """set_activation_dtype(bf16): float parameters outside the quantized layers (norm weights) in bf16,
+    quantized embeddings looked up in bf16, the codes and scales untouched; the hidden states come out in
+    bf16 within bf16 rounding of the float32 pass."""
+    import copy
+
+    from hardy.compress.qlinear import QuantEmbedding, set_activation_dtype
+
+    model = copy.deepcopy(int4_and_int8_models["4"])
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        exact = model.hidden_states(tokens, 0)
+    stored = {n: t.clone() for n, t in model.state_dict().items() if not n.endswith("norm.weight")}
+    set_activation_dtype(model, torch.bfloat16)
+    assert isinstance(model.tok_embeddings, QuantEmbedding) and model.tok_embeddings(tokens).dtype == torch.bfloat16
+    assert model.norm.weight.dtype == torch.bfloat16
+    assert all(torch.equal(t, stored[n]) for n, t in model.state_dict().items() if n in stored)
+    with torch.inference_mode():
+        fast = model.hidden_states(tokens, 0)
+    assert fast.dtype == torch.bfloat16
+    error = (fast.float() - exact).norm() / exact.norm()
+    assert 0 < error < 3e-2, error
+    with pytest.raises(ValueError):
+        set_activation_dtype(model, torch.float16)

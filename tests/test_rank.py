@@ -242,7 +242,7 @@ def test_passes_minimize_padded_tokens():
         assert cost(lengths, passes, pass_cost) == best
     # BM25's top 20 of a test query: cutting by count computed 2,844 padded tokens for 1,507 real ones
     lengths = [39, 41, 43, 44, 45, 45, 45, 46, 46, 50, 52, 54, 55, 87, 91, 129, 133, 136, 159, 167]
-    padded = sum(len(p) * max(lengths[i] for i in p) for p in plan_batches(lengths, 16))
+    padded = sum(len(p) * max(lengths[i] for i in p) for p in plan_batches(lengths, 16, pass_cost=32))
     assert padded <= 1.05 * sum(lengths)
 
 
@@ -344,3 +344,25 @@ def test_refuses_a_model_calibrated_on_the_collections_source(tmp_path):
     (run / "config.json").write_text(json.dumps({"data": {"path": str(data), "inputs": ["wikitext2-test"]}}))
     with pytest.raises(HardyError, match="trained on wikitext2-test"):
         check_no_leak(str(run), source)
+
+
+def test_eval_rank_bf16_activations_run_the_whole_scoring_pass_in_bf16(tmp_path, mini_compressed):
+    """--activations bf16 (for an int4 model on a CPU with native bf16): every activation in bf16, not only
+    the GEMM inputs, so the scores are neither fp32's nor --prefill-dtype bf16's, and stay within bf16
+    rounding of fp32's (test_kernels checks the pass's dtypes); anything but fp32/bf16 is refused."""
+    root = _shakespeare_collection(tmp_path / "c")
+    model = str(mini_compressed("--bits", "4", "--group-size", "32", "--quantize-embeddings"))
+    scores = {}
+    for flags in (("--prefill-dtype", "fp32"), ("--prefill-dtype", "bf16"), ("--activations", "bf16")):
+        out = tmp_path / f"{flags[1]}{flags[0]}.json"
+        proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--k", "4", "--depth", "6",
+                          "--alpha", "0.5", "--batch", "4", *flags, "--json", str(out), "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        by_query = json.loads(out.read_text())["rows"][1]["per_query_lm"]
+        scores[flags] = torch.tensor([s for q in sorted(by_query) for s in by_query[q].values()])
+    exact = scores["--prefill-dtype", "fp32"]
+    gemm_only, everywhere = scores["--prefill-dtype", "bf16"], scores["--activations", "bf16"]
+    assert not torch.equal(everywhere, exact) and not torch.equal(everywhere, gemm_only)
+    assert torch.allclose(everywhere, exact, rtol=5e-2, atol=0)
+    proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--activations", "fp16")
+    assert proc.returncode == 2 and "--activations" in proc.stderr

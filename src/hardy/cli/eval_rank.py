@@ -9,7 +9,10 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from hardy.cli.common import add_device_arg, add_gguf_arg, add_prefill_dtype_arg, apply_prefill_dtype
+from hardy.compress.qlinear import set_activation_dtype
 from hardy.devices import resolve_device
 from hardy.errors import HardyError
 from hardy.extras import require as require_extra
@@ -34,6 +37,10 @@ def register_rank(tasks) -> None:
     pr.add_argument("--max-passage-tokens", type=int, default=192)
     pr.add_argument("--template", default=None, help="prompt with {passage}; the query follows its end")
     add_prefill_dtype_arg(pr)
+    pr.add_argument("--activations", default="fp32", choices=("fp32", "bf16"),
+                    help="dtype of the scoring passes' activations: fp32, or bf16 (norm weights, float embeddings "
+                         "and heads cast too, quantized layers' GEMMs in bf16: for CPUs with native bf16 dot "
+                         "products, where it is the faster)")
     pr.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores; shared by --tp's processes)")
     pr.add_argument("--tp", type=int, default=1,
                     help="re-rank with each model sharded over N tensor-parallel CPU processes (gloo; started here)")
@@ -102,12 +109,19 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+def apply_dtypes(loaded, args) -> None:
+    """--prefill-dtype, then --activations (bf16 overrides the quantized layers' GEMM dtype too)."""
+    apply_prefill_dtype(loaded, args.prefill_dtype)
+    if args.activations == "bf16":
+        set_activation_dtype(loaded.model, torch.bfloat16)
+
+
 def load_sharded(spec: str, device, args):
     """(loaded model, None) in one process; under --tp, this rank's shard and, on rank 0, the runner
     that announces each scoring pass to the other ranks."""
     if args.tp == 1:
         loaded = load_model(spec, device=device, gguf=args.gguf_weights)
-        apply_prefill_dtype(loaded, args.prefill_dtype)
+        apply_dtypes(loaded, args)
         return loaded, None
     # start-up time: torch.distributed only for --tp
     from hardy.compress.tensor_parallel import rank_slices
@@ -117,7 +131,7 @@ def load_sharded(spec: str, device, args):
     rank = int(os.environ["RANK"])
     loaded = load_model(spec, device=device, gguf=args.gguf_weights, tp_slices=rank_slices(rank, args.tp))
     shard_model(loaded.model, args.tp)
-    apply_prefill_dtype(loaded, args.prefill_dtype)
+    apply_dtypes(loaded, args)
     return loaded, (LeaderRunner(loaded.model, 1, 2) if rank == 0 else None)
 
 

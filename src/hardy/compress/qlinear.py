@@ -40,6 +40,26 @@ def set_prefill_dtype(model: nn.Module, dtype: torch.dtype) -> None:
             m.prefill_dtype = dtype
 
 
+def set_activation_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Run a quantized model's forward passes with activations in `dtype` (float32, or bfloat16 where the
+    CPU has native bf16 dot products): its float parameters outside the quantized layers (norm weights,
+    float embeddings and heads) are cast, quantized embeddings look up rows in `dtype`, and the quantized
+    layers' many-token GEMMs run in it. Norms still reduce in float32 (RMSNorm upcasts); the rotary tables
+    are rounded to `dtype` where they are applied. For scoring passes (eval rank): the fused decode stack
+    takes float32 norms only and leaves a bf16 model to the modules."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"activation dtype must be float32 or bfloat16, not {dtype}")
+    set_prefill_dtype(model, dtype)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            continue  # its codes and scales are what they are; a float bias follows the output's dtype
+        if isinstance(m, QuantEmbedding):
+            m.dtype = dtype
+        for p in m.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+
 class QuantLinear(nn.Module):
     """`bias`: the layer has a float bias (Qwen2's q/k/v), filled by load_state_dict like any parameter."""
 
@@ -130,6 +150,10 @@ class QuantLinear(nn.Module):
             rows = PREFILL_BF16_ROWS
         else:
             rows = max(8, PREFILL_SLAB_BYTES // (self.in_features * xd.element_size()) // 8 * 8)
+        if self.out_features <= 2 * rows:  # one slab (a GEMM's rate holds up to ~2,048 rows): no copy out of it
+            w = torch.empty(self.out_features, self.in_features, dtype=dtype)
+            self.kernel.dequant_range(0, w)
+            return F.linear(xd, w).to(x.dtype)
         out = x.new_empty(*x.shape[:-1], self.out_features)
         slab = torch.empty(min(rows, self.out_features), self.in_features, dtype=dtype)
         for r0 in range(0, self.out_features, rows):
@@ -148,6 +172,7 @@ class QuantEmbedding(nn.Module):
     def __init__(self, qt: QuantTensor):
         super().__init__()
         self.table = QuantLinear(qt)
+        self.dtype = torch.float32  # of the rows looked up (set_activation_dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # the float table, for code that reads embedding weights
@@ -160,9 +185,10 @@ class QuantEmbedding(nn.Module):
         t = self.table
         rows = tokens.reshape(-1)
         if t.kernel is not None:
-            return t.kernel.lookup(rows.long().contiguous()).reshape(*tokens.shape, t.in_features)
-        q = QuantTensor.from_packed(t.stored(rows), t.spec, (rows.numel(), t.in_features))
-        return q.dequantize().reshape(*tokens.shape, t.in_features)
+            out = t.kernel.lookup(rows.long().contiguous())
+        else:
+            out = QuantTensor.from_packed(t.stored(rows), t.spec, (rows.numel(), t.in_features)).dequantize()
+        return out.reshape(*tokens.shape, t.in_features).to(self.dtype)
 
 
 def swap_quantized(model: nn.Module, quantized: dict[str, QuantTensor]) -> nn.Module:

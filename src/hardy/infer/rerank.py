@@ -114,10 +114,11 @@ def target_log_likelihood(model, tokens: torch.Tensor, at: torch.Tensor, targets
     return (token_logp * mask).sum(-1).double()
 
 
-# A pass's fixed cost (reading every weight once, ~20 operators per layer) in tokens of a row's compute:
-# what a row of padding must save before a batch is split in two (SmolLM2 on a CPU: a pass's weights
-# and launches take about as long as 30 tokens' matmuls).
-PASS_COST_TOKENS = 32
+# A pass's fixed cost (reading every weight once, ~20 operators per layer; a quantized model's slabs
+# dequantized again) in tokens of a row's compute: what a row of padding must save before a batch is
+# split in two. 100 rather than 32: SmolLM2's re-ranking on 2 CPU cores took ~7% less time per query
+# in int4 and no more in fp32 (bench/history.md, 2026-12-08).
+PASS_COST_TOKENS = 100
 
 
 def plan_batches(lengths: list[int], max_rows: int, pass_cost: int = PASS_COST_TOKENS) -> list[list[int]]:
