@@ -276,26 +276,31 @@ def test_eval_rank_cli(tmp_path, mini_run):
 
 def test_eval_rank_prefill_dtype_sets_the_quantized_layers_gemm_dtype(tmp_path, mini_compressed, monkeypatch):
     """--prefill-dtype: bf16 moves an int4 model's scores (its many-token products run in bf16) by no more
-    than bf16 rounding; auto is bf16 exactly where the CPU has native bf16, fp32 elsewhere."""
+    than bf16 rounding; auto is bf16 exactly where the CPU has native bf16, fp32 elsewhere. --activations
+    bf16 runs the whole pass in bf16 (test_kernels checks its dtypes): scores neither fp32's nor those of
+    bf16 GEMMs alone, within bf16 rounding of fp32's."""
     import hardy.ops.matmul_probe as probe
 
     root = _shakespeare_collection(tmp_path / "c")
     model = str(mini_compressed("--bits", "4", "--group-size", "32"))
     scores = {}
-    for dtype, fast in (("fp32", True), ("bf16", False), ("auto", True), ("auto", False)):
+    for dtype, fast in (("fp32", True), ("bf16", False), ("auto", True), ("auto", False), ("activations", True)):
         monkeypatch.setattr(probe, "has_fast_bf16", lambda device, fast=fast: fast)
         out = tmp_path / f"{dtype}-{fast}.json"
+        flags = ("--activations", "bf16") if dtype == "activations" else ("--prefill-dtype", dtype)
         proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--k", "4", "--depth", "6",
-                          "--alpha", "0.5", "--batch", "4", "--prefill-dtype", dtype, "--json", str(out),
-                          "--no-progress")
+                          "--alpha", "0.5", "--batch", "4", *flags, "--json", str(out), "--no-progress")
         assert proc.returncode == 0, proc.stderr
         by_query = json.loads(out.read_text())["rows"][1]["per_query_lm"]
         scores[dtype, fast] = [s for q in sorted(by_query) for s in by_query[q].values()]
     exact, bf16 = scores["fp32", True], scores["bf16", False]
     assert bf16 != exact and bf16 == pytest.approx(exact, rel=2e-2)
     assert scores["auto", True] == bf16 and scores["auto", False] == exact
-    proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--prefill-dtype", "int8")
-    assert proc.returncode == 2 and "--prefill-dtype" in proc.stderr
+    everywhere = scores["activations", True]
+    assert everywhere not in (exact, bf16) and everywhere == pytest.approx(exact, rel=5e-2)
+    for flag, value in (("--prefill-dtype", "int8"), ("--activations", "fp16")):
+        proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, flag, value)
+        assert proc.returncode == 2 and flag in proc.stderr
 
 
 def test_eval_rank_tensor_parallel_scores_equal_one_process(tmp_path, mini_run):
@@ -345,24 +350,3 @@ def test_refuses_a_model_calibrated_on_the_collections_source(tmp_path):
     with pytest.raises(HardyError, match="trained on wikitext2-test"):
         check_no_leak(str(run), source)
 
-
-def test_eval_rank_bf16_activations_run_the_whole_scoring_pass_in_bf16(tmp_path, mini_compressed):
-    """--activations bf16 (for an int4 model on a CPU with native bf16): every activation in bf16, not only
-    the GEMM inputs, so the scores are neither fp32's nor --prefill-dtype bf16's, and stay within bf16
-    rounding of fp32's (test_kernels checks the pass's dtypes); anything but fp32/bf16 is refused."""
-    root = _shakespeare_collection(tmp_path / "c")
-    model = str(mini_compressed("--bits", "4", "--group-size", "32", "--quantize-embeddings"))
-    scores = {}
-    for flags in (("--prefill-dtype", "fp32"), ("--prefill-dtype", "bf16"), ("--activations", "bf16")):
-        out = tmp_path / f"{flags[1]}{flags[0]}.json"
-        proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--k", "4", "--depth", "6",
-                          "--alpha", "0.5", "--batch", "4", *flags, "--json", str(out), "--no-progress")
-        assert proc.returncode == 0, proc.stderr
-        by_query = json.loads(out.read_text())["rows"][1]["per_query_lm"]
-        scores[flags] = torch.tensor([s for q in sorted(by_query) for s in by_query[q].values()])
-    exact = scores["--prefill-dtype", "fp32"]
-    gemm_only, everywhere = scores["--prefill-dtype", "bf16"], scores["--activations", "bf16"]
-    assert not torch.equal(everywhere, exact) and not torch.equal(everywhere, gemm_only)
-    assert torch.allclose(everywhere, exact, rtol=5e-2, atol=0)
-    proc = hardy_main("eval", "rank", "--collection", str(root), "--model", model, "--activations", "fp16")
-    assert proc.returncode == 2 and "--activations" in proc.stderr
