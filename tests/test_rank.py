@@ -349,4 +349,3 @@ def test_refuses_a_model_calibrated_on_the_collections_source(tmp_path):
     (run / "config.json").write_text(json.dumps({"data": {"path": str(data), "inputs": ["wikitext2-test"]}}))
     with pytest.raises(HardyError, match="trained on wikitext2-test"):
         check_no_leak(str(run), source)
-
