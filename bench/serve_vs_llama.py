@@ -85,12 +85,10 @@ def load(port: int, args) -> dict:
 def run(engine: str, args) -> dict:
     """One run; llama.cpp's AMX build, where it crashes (bench/native.py), gives way to the one without AMX."""
     result = run_once(engine, args)
-    if isinstance(result, int):  # the server exited before it came up
-        if engine == "hardy" or not native.amx_build_crashed("llama-server", result):
-            raise SystemExit(f"{engine}'s server exited ({result})")
+    if isinstance(result, int) and engine == "llama" and native.amx_build_crashed("llama-server", result):
         result = run_once(engine, args)
-        if isinstance(result, int):
-            raise SystemExit(f"{engine}'s server exited ({result})")
+    if isinstance(result, int):  # the server exited before it came up
+        raise SystemExit(f"{engine}'s server exited ({result})")
     return result
 
 
@@ -147,23 +145,24 @@ def main() -> None:
     ratio = median_ci([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["hardy"], runs["llama"])])
     print(f"\n{Path(args.model).name}, {args.clients} clients x (~{args.prompt_tokens} prompt + {args.max_tokens} new "
           f"tokens), {args.threads} threads, {cpu_line()}; {llama_cpp_label()}")
+    rate = {name: median_ci([r["tokens_per_s"] for r in runs[name]]) for name in runs}
+    ttft = {name: [t for r in runs[name] for t in r["ttft"]] for name in runs}
     print("| engine | completion tokens/s | TTFT p50, s | TTFT p99, s |\n|---|---|---|---|")
     for name, label in (("hardy", f"hardy serve --max-batch {args.clients}"),
                         ("llama", f"llama-server -np {args.clients} -cb")):
-        ttft = [t for r in runs[name] for t in r["ttft"]]
-        print(f"| {label} | {fmt(*median_ci([r['tokens_per_s'] for r in runs[name]]), digits=2)} | "
-              f"{statistics.median(ttft):.1f} | {pct(ttft, 0.99):.1f} |")
+        print(f"| {label} | {fmt(*rate[name], digits=2)} | {statistics.median(ttft[name]):.1f} | "
+              f"{pct(ttft[name], 0.99):.1f} |")
     print(f"| hardy / llama-server, per pair | {fmt(*ratio, digits=2)} | | |")
     if args.record:
-        ttft = [t for r in runs["hardy"] for t in r["ttft"]]
         record(f"serve-vs-llama-server-{slug(args.model)}", issue=40,
                goal=f"Serving {args.clients} clients ({runs['hardy'][0]['prompt_tokens']}-token prompts, "
                     f"{args.max_tokens} new), "
                     f"{Path(args.model).name}, vs llama-server -np {args.clients} -cb",
-               target=(">=", 2.0), figure=f"{median_ci([r['tokens_per_s'] for r in runs['hardy']])[0]:.2f} tok/s, "
-                                          f"TTFT p50 {statistics.median(ttft):.1f} s, p99 {pct(ttft, 0.99):.1f} s",
-               baseline=f"llama-server {median_ci([r['tokens_per_s'] for r in runs['llama']])[0]:.2f} tok/s",
-               ratio=ratio, runs=args.reps, note=llama_cpp_label())
+               target=(">=", 2.0),
+               figure=f"{rate['hardy'][0]:.2f} tok/s, TTFT p50 {statistics.median(ttft['hardy']):.1f} s, "
+                      f"p99 {pct(ttft['hardy'], 0.99):.1f} s",
+               baseline=f"llama-server {rate['llama'][0]:.2f} tok/s", ratio=ratio, runs=args.reps,
+               note=llama_cpp_label())
 
 
 if __name__ == "__main__":

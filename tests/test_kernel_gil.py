@@ -12,24 +12,15 @@ import torch
 
 from hardy.compress import kernels
 from hardy.model.config import ModelConfig
-from hardy.model.transformer import BLOCK_LINEARS, build_model
+from test_serve_chunked import quantized_mini
 
 
 @pytest.fixture(scope="module")
 def model():
-    from hardy.compress.qlinear import swap_quantized
-    from hardy.formats.quantized import QuantSpec, rtn
-
     if kernels.load() is None:
         pytest.skip("kernels could not be built here (no compiler): the PyTorch path is used")
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=2048, max_seq_len=512)
-    model = build_model(cfg).eval()
-    weights = dict(model.named_parameters())
-    names = [f"layers.{i}.{n}" for i in range(cfg.n_layers) for n in BLOCK_LINEARS]
-    model = swap_quantized(model, {n: rtn(weights[f"{n}.weight"].detach(), QuantSpec(4, 32)) for n in names})
-    kernels.prepare(model)
-    return model
+    return quantized_mini(ModelConfig(vocab_size=512, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=2048,
+                                      max_seq_len=512))
 
 
 def share_running_beside(call, calls: int = 6) -> tuple[float, float]:

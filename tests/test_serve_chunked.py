@@ -48,14 +48,15 @@ def recording_runner(log: list, on_decode=None):
     return Recording
 
 
-def quantized_mini():
+def quantized_mini(cfg=None):
+    """A model of `cfg` (default: the mini preset) with every block linear RTN int4 g32, kernels attached."""
     from hardy.compress import kernels
     from hardy.compress.qlinear import swap_quantized
     from hardy.formats.quantized import QuantSpec, rtn
     from hardy.model.transformer import BLOCK_LINEARS
 
     torch.manual_seed(0)
-    model = build_model(get_preset("mini")).eval()
+    model = build_model(cfg or get_preset("mini")).eval()
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in BLOCK_LINEARS]
     weights = dict(model.named_parameters())
     model = swap_quantized(model, {n: rtn(weights[f"{n}.weight"].detach(), QuantSpec(4, 32)) for n in names})
